@@ -1,0 +1,5 @@
+import sys
+
+from dgemma.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,107 @@
+"""Three interchangeable attention back-ends that must agree.
+
+- ``eager``: explicit scores, additive float mask, fp32 softmax. The ground-truth reference;
+  kept on purpose (and the only one that supports attention-logit soft-capping besides flex).
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask.
+- ``flex``: FlexAttention with a block mask whose ``mask_mod`` evaluates
+  :func:`dgemma.models.masks.attention_rule` on the token metadata, so fully-masked tiles
+  are skipped. One fixed ``mask_mod`` code path per (encoder mode, window) keeps recompiles
+  bounded. On CPU it runs forward only (PyTorch raises on backward there).
+
+All take ``q [B, Hq, Lq, D]``, ``k, v [B, Hkv, Lk, D]`` and return ``[B, Hq, Lq, D]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dgemma.models.masks import TokenInfo, attention_rule, dense_mask
+
+BACKENDS = ("eager", "sdpa", "flex")
+
+
+@dataclass
+class MaskSpec:
+    """What a layer needs to build its mask; dense/block forms are built lazily and shared."""
+
+    q: TokenInfo
+    k: TokenInfo
+    encoder: str
+    window: int | None
+    _dense: Tensor | None = field(default=None, repr=False)
+    _block: object = field(default=None, repr=False)
+
+    def dense(self) -> Tensor:
+        if self._dense is None:
+            self._dense = dense_mask(self.q, self.k, encoder=self.encoder, window=self.window)
+        return self._dense
+
+    def block_mask(self):
+        if self._block is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            q, k, encoder, window = self.q, self.k, self.encoder, self.window
+
+            def mask_mod(b, h, qi, ki):
+                return attention_rule(
+                    q.positions[b, qi], q.blocks[b, qi], q.noisy[b, qi], q.valid[b, qi],
+                    k.positions[b, ki], k.blocks[b, ki], k.noisy[b, ki], k.valid[b, ki],
+                    encoder=encoder, window=window,
+                )
+
+            bsz, lq = q.shape
+            self._block = create_block_mask(
+                mask_mod, bsz, None, lq, k.shape[1], device=q.positions.device, _compile=False
+            )
+        return self._block
+
+
+def _softcap(scores: Tensor, cap: float | None) -> Tensor:
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def eager_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | None = None) -> Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = _softcap(torch.matmul(q, k.transpose(2, 3)) * scale, softcap)
+    additive = torch.zeros(mask.dense().shape, dtype=scores.dtype, device=scores.device)
+    additive.masked_fill_(~mask.dense(), torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores + additive[:, None], dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def sdpa_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | None = None) -> Tensor:
+    if softcap is not None:
+        return eager_attention(q, k, v, mask, scale=scale, softcap=softcap)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.dense()[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def flex_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | None = None) -> Tensor:
+    from torch.nn.attention.flex_attention import flex_attention as _flex
+
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, qi, ki):
+            return torch.tanh(score / softcap) * softcap
+
+    return _flex(
+        q, k, v, score_mod=score_mod, block_mask=mask.block_mask(), scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention}
+
+
+def get_attention(name: str):
+    try:
+        return ATTENTION[name]
+    except KeyError:
+        raise ValueError(f"unknown attention back-end {name!r}; choose one of {BACKENDS}") from None

@@ -1,0 +1,103 @@
+"""An explicit KV cache, passed into ``forward`` (never hidden state on modules).
+
+Slots are shared by all rows of a batch; each slot also stores its token's position, block and
+validity, so rows with prompts of different lengths (right padding) live in one cache and the
+attention masks stay exact. Only clean (encoder) tokens are ever written: a decoder pass over a
+noisy canvas reads the cache and attends to its own keys transiently, leaving every slot as it was.
+
+Lifecycle::
+
+    cache = KVCache(batch, max_len)
+    model(prompt, info=prompt_info, cache=cache)            # prefill: slots [0, P)
+    model(canvas, info=noisy_info, cache=cache, write=False)  # denoise: reads [0, P), writes nothing
+    model(canvas, info=clean_info, cache=cache)              # append the finished canvas
+    cache.truncate(P)                                        # roll back to the prompt
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dgemma.models.masks import TokenInfo
+
+
+class KVCache:
+    def __init__(self, batch: int, max_len: int):
+        self.batch = batch
+        self.max_len = max_len
+        self.cursor = 0
+        self.keys: dict[int, Tensor] = {}  # layer -> [B, H_kv, max_len, D], allocated on first write
+        self.values: dict[int, Tensor] = {}
+        self._info: TokenInfo | None = None  # [B, max_len] metadata, allocated on first write
+
+    # -- reading ------------------------------------------------------------------------------
+    def info(self) -> TokenInfo:
+        """Metadata of the filled slots ``[0, cursor)``."""
+        if self._info is None:
+            raise RuntimeError("empty KVCache: prefill it before decoding")
+        return self._info[:, : self.cursor]
+
+    def __len__(self) -> int:
+        return self.cursor
+
+    # -- the per-layer hook used by attention ------------------------------------------------
+    def attend_keys(self, layer: int, k: Tensor, v: Tensor, write: bool) -> tuple[Tensor, Tensor]:
+        """Return the keys/values a layer attends to: filled slots followed by ``k``/``v``.
+
+        With ``write`` the new keys are stored at ``[cursor, cursor + L)`` (the cursor itself
+        moves once per forward, in :meth:`advance`); without it nothing is stored.
+        """
+        n = k.shape[2]
+        if write:
+            if self.cursor + n > self.max_len:
+                raise RuntimeError(f"KVCache overflow: {self.cursor} + {n} > max_len {self.max_len}")
+            if layer not in self.keys:
+                shape = (self.batch, k.shape[1], self.max_len, k.shape[3])
+                self.keys[layer] = k.new_zeros(shape)
+                self.values[layer] = v.new_zeros(shape)
+            self.keys[layer][:, :, self.cursor : self.cursor + n] = k
+            self.values[layer][:, :, self.cursor : self.cursor + n] = v
+            end = self.cursor + n
+            return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        if layer not in self.keys:
+            raise RuntimeError("empty KVCache: prefill it before decoding")
+        past_k = self.keys[layer][:, :, : self.cursor]
+        past_v = self.values[layer][:, :, : self.cursor]
+        return torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+
+    def key_info(self, q: TokenInfo) -> TokenInfo:
+        """Metadata of every key a forward over ``q`` attends to (filled slots, then ``q``)."""
+        return q if self.cursor == 0 else self.info().cat(q)
+
+    def advance(self, q: TokenInfo) -> None:
+        """Record the metadata of tokens just written and move the cursor past them."""
+        n = q.shape[1]
+        if self._info is None:
+            dev = q.positions.device
+            z = torch.zeros(self.batch, self.max_len, dtype=torch.long, device=dev)
+            f = torch.zeros(self.batch, self.max_len, dtype=torch.bool, device=dev)
+            self._info = TokenInfo(z, z.clone(), f, f.clone())
+        for dst, src in zip(
+            (self._info.positions, self._info.blocks, self._info.noisy, self._info.valid),
+            (q.positions, q.blocks, q.noisy, q.valid),
+        ):
+            dst[:, self.cursor : self.cursor + n] = src
+        self.cursor += n
+
+    # -- editing --------------------------------------------------------------------------------
+    def truncate(self, length: int) -> None:
+        """Forget every slot from ``length`` on (slots are overwritten by later appends)."""
+        if not 0 <= length <= self.cursor:
+            raise ValueError(f"cannot truncate a cache of {self.cursor} slots to {length}")
+        self.cursor = length
+
+    def select(self, rows: Tensor) -> "KVCache":
+        """A new cache holding only ``rows`` of the batch (finished examples stop costing compute)."""
+        out = KVCache(int(rows.numel()), self.max_len)
+        out.cursor = self.cursor
+        out.keys = {layer: t.index_select(0, rows) for layer, t in self.keys.items()}
+        out.values = {layer: t.index_select(0, rows) for layer, t in self.values.items()}
+        if self._info is not None:
+            out._info = self._info[rows]
+        return out

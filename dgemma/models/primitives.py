@@ -1,0 +1,79 @@
+"""Primitives of the Gemma decoder: RMSNorm, the GeGLU MLP and rotary embeddings."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """Gemma RMSNorm: fp32 normalisation, ``(1 + w)`` scale; ``with_scale=False`` has no weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim)) if with_scale else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            out = out * (1.0 + self.weight.float())
+        return out.type_as(x)
+
+
+class GeGLU(nn.Module):
+    """``down(gelu_tanh(gate(x)) * up(x))``, the Gemma MLP."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE with a cached fp32 cos/sin table, indexed by position.
+
+    ``scaling`` is the linear position-interpolation factor (Gemma 3 4B+ global layers). Tables
+    are computed in fp32 exactly as ``transformers`` does (``pos * inv_freq``), then cast to the
+    activation dtype at use, so fp64 models see the same rotary values as the reference.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: float = 1.0):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)) / scaling
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.max_positions = max_positions
+        self._table: tuple[Tensor, Tensor] | None = None
+
+    def table(self, device: torch.device, needed: int) -> tuple[Tensor, Tensor]:
+        """fp32 ``cos, sin [n, head_dim]``, grown by doubling to cover ``needed`` positions."""
+        if self._table is None or self._table[0].device != device or self._table[0].shape[0] < needed:
+            n = min(self.max_positions, max(1024, 1 << (needed - 1).bit_length()))
+            pos = torch.arange(n, device=device, dtype=torch.float)
+            freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+            emb = torch.cat([freqs, freqs], -1)
+            self._table = (emb.cos(), emb.sin())
+        return self._table
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``positions [B, L]`` -> ``cos, sin [B, 1, L, head_dim]`` in ``dtype``."""
+        top = int(positions.max()) + 1
+        if top > self.max_positions:
+            raise ValueError(f"position {top - 1} exceeds max_position_embeddings {self.max_positions}")
+        cos, sin = self.table(positions.device, top)
+        return cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,105 @@
+"""Conditioning signals added to the embeddings of noisy (decoder) tokens.
+
+Self-conditioning: the previous denoising step's prediction, as a probability-weighted mix of
+token embeddings, passes through RMSNorm -> GeGLU FFN -> RMSNorm and is added to the input
+embeddings. The FFN's output projection starts at zero, and "no previous step" is the zero
+signal, so at initialisation the model is bit-for-bit the plain model (RMSNorm(0) = 0 and the
+FFN has no biases).
+
+Two variants:
+
+- ``zero_init`` (for adapting an AR model): ``emb + post_norm(FFN(pre_norm(signal)))``; exactly
+  the pretrained model at step 0.
+- ``postnorm`` (the released DiffusionGemma's): ``post_norm(emb + FFN(pre_norm(signal)))``
+  with a scale-free post-norm, applied even when the signal is zero.
+
+Time conditioning (Lite): a sinusoidal embedding of ``t`` through a small MLP whose last layer
+starts at zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dgemma.models.primitives import GeGLU, RMSNorm
+
+
+class SelfConditioning(nn.Module):
+    def __init__(self, dim: int, hidden: int, eps: float, variant: str = "zero_init"):
+        super().__init__()
+        if variant not in ("zero_init", "postnorm"):
+            raise ValueError(f"self-conditioning variant must be 'zero_init' or 'postnorm', got {variant!r}")
+        self.variant = variant
+        self.pre_norm = RMSNorm(dim, eps)
+        self.mlp = GeGLU(dim, hidden)
+        self.post_norm = RMSNorm(dim, eps, with_scale=variant == "zero_init")
+        nn.init.zeros_(self.mlp.down_proj.weight)
+
+    def forward(self, emb: Tensor, signal: Tensor | None) -> Tensor:
+        """``emb [.., d]`` plus the conditioned ``signal [.., d]`` (None = zero signal)."""
+        if self.variant == "zero_init":
+            if signal is None:  # FFN(RMSNorm(0)) == 0 exactly: skip the work
+                return emb
+            return emb + self.post_norm(self.mlp(self.pre_norm(signal.to(emb.dtype))))
+        delta = 0.0 if signal is None else self.mlp(self.pre_norm(signal.to(emb.dtype)))
+        return self.post_norm(emb + delta)
+
+
+@torch.no_grad()
+def expected_embedding(
+    hidden: Tensor, weight: Tensor, *, temperature: float = 1.0, chunk: int = 32_768, softcap: float | None = None
+) -> Tensor:
+    """``softmax(hidden @ weight.T / T) @ weight`` without materialising full-vocabulary logits.
+
+    Two passes over vocabulary chunks: a log-sum-exp, then the weighted sum. Used for the
+    detached first pass of self-conditioned training (SPEC §2), where ``[tokens, vocab]`` logits
+    would dominate memory. ``hidden [N, d]``, ``weight [V, d]`` -> ``[N, d]``.
+    """
+    h = hidden.float()
+
+    def logits(lo: int) -> Tensor:
+        z = h @ weight[lo : lo + chunk].float().T
+        if softcap is not None:
+            z = torch.tanh(z / softcap) * softcap
+        return z / temperature
+
+    vocab = weight.shape[0]
+    lse = torch.full(h.shape[:-1], -math.inf, device=h.device)
+    for lo in range(0, vocab, chunk):
+        lse = torch.logaddexp(lse, torch.logsumexp(logits(lo), -1))
+    out = torch.zeros_like(h)
+    for lo in range(0, vocab, chunk):
+        out += torch.exp(logits(lo) - lse[..., None]) @ weight[lo : lo + chunk].float()
+    return out.to(hidden.dtype)
+
+
+def probs_embedding(logits: Tensor, weight: Tensor) -> Tensor:
+    """``softmax(logits) @ weight`` for logits the sampler already holds (``[.., V]`` -> ``[.., d]``)."""
+    return (torch.softmax(logits.float(), -1) @ weight.float()).to(weight.dtype)
+
+
+def sinusoidal(t: Tensor, dim: int, max_period: float = 10_000.0) -> Tensor:
+    """Standard sinusoidal features of ``t [B]`` in ``[0, 1]`` (scaled by 1000) -> ``[B, dim]``."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = (t.float() * 1000.0)[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], -1)
+
+
+class TimeEmbedding(nn.Module):
+    def __init__(self, dim: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.fc1 = nn.Linear(freq_dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+        nn.init.zeros_(self.fc2.weight)
+        nn.init.zeros_(self.fc2.bias)
+
+    def forward(self, t: Tensor) -> Tensor:
+        """``t [B]`` -> ``[B, dim]``."""
+        feats = sinusoidal(t, self.freq_dim).to(self.fc1.weight.dtype)
+        return self.fc2(F.silu(self.fc1(feats)))

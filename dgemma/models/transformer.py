@@ -1,0 +1,254 @@
+"""The DiffusionGemma network: a Gemma 3 decoder that is also a block-diffusion denoiser.
+
+Reads top-down: config, attention, block, model. Parameter names mirror transformers'
+``Gemma3ForCausalLM`` (``model.layers.{i}.self_attn.q_proj`` ...) so weights and PEFT adapters
+move between the two without renaming; the diffusion extras live beside them
+(``self_conditioning.*``, ``time_embedding.*``).
+
+One ``forward`` serves every role. Which tokens are clean (encoder) or noisy (decoder) is data
+(:class:`~dgemma.models.masks.TokenInfo`), not a mode switch: the mask rule and the conditioning
+follow from it. ``model(input_ids)`` alone is a causal LM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dgemma.models.attention import BACKENDS, MaskSpec, get_attention
+from dgemma.models.kv_cache import KVCache
+from dgemma.models.masks import ENCODER_MODES, TokenInfo
+from dgemma.models.primitives import GeGLU, RMSNorm, Rotary, apply_rotary
+from dgemma.models.selfcond import SelfConditioning, TimeEmbedding
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+# ------------------------------------------------------------------------------------- config
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Architecture. Defaults are the Gemma 3 270M."""
+
+    vocab_size: int = 262_144
+    hidden_size: int = 640
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 18
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 1
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    query_pre_attn_scalar: float = 256.0
+    sliding_window: int | None = 512
+    layer_types: list[str] | None = None  # default: every 6th layer full, the rest sliding
+    rope_local_theta: float = 10_000.0
+    rope_global_theta: float = 1_000_000.0
+    rope_global_scaling: float = 1.0  # linear position interpolation on full-attention layers
+    max_position_embeddings: int = 32_768
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+    bos_token_id: int = 2
+    attn_implementation: str = "sdpa"  # eager | sdpa | flex
+    encoder_mode: str = "causal"  # causal (adapter, = the AR model) | block (Lite)
+    self_conditioning: bool = False
+    selfcond_variant: str = "zero_init"  # zero_init | postnorm
+    selfcond_intermediate_size: int | None = None  # default: hidden_size
+    time_conditioning: bool = False
+    time_freq_dim: int = 256
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(self.num_hidden_layers)]
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if bad := sorted(set(self.layer_types) - {SLIDING, FULL}):
+            raise ValueError(f"unknown layer types {bad}; use {SLIDING!r} or {FULL!r}")
+        if self.attn_implementation not in BACKENDS:
+            raise ValueError(f"attn_implementation must be one of {BACKENDS}, got {self.attn_implementation!r}")
+        if self.encoder_mode not in ENCODER_MODES:
+            raise ValueError(f"encoder_mode must be one of {ENCODER_MODES}, got {self.encoder_mode!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.query_pre_attn_scalar**-0.5
+        self.softcap = cfg.attn_logit_softcapping
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: MaskSpec, attend,
+                cache: KVCache | None, write: bool) -> Tensor:
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [B, H, L, D]
+        if cache is not None:
+            k, v = cache.attend_keys(self.layer, k, v, write)  # [B, Hkv, S + L, D]
+        out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap)  # [B, H, L, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+# -------------------------------------------------------------------------------------- block
+class DecoderLayer(nn.Module):
+    """Pre- and post-norm around both attention and MLP (Gemma 3's sandwich)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer]
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = GeGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, mask, attend, cache, write):
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), rope, mask, attend, cache, write))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+# -------------------------------------------------------------------------------------- model
+class GemmaBackbone(nn.Module):
+    """``Gemma3TextModel``'s parameters: ``embed_tokens``, ``layers``, ``norm``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = GemmaBackbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied
+        self.self_conditioning = (
+            SelfConditioning(cfg.hidden_size, cfg.selfcond_intermediate_size or cfg.hidden_size,
+                             cfg.rms_norm_eps, cfg.selfcond_variant)
+            if cfg.self_conditioning else None
+        )
+        self.time_embedding = TimeEmbedding(cfg.hidden_size, cfg.time_freq_dim) if cfg.time_conditioning else None
+        self.rotary = nn.ModuleDict({
+            SLIDING: Rotary(cfg.head_dim, cfg.rope_local_theta, cfg.max_position_embeddings),
+            FULL: Rotary(cfg.head_dim, cfg.rope_global_theta, cfg.max_position_embeddings, cfg.rope_global_scaling),
+        })
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random init (normal weights, zero RMSNorm weights = unit scale); zero-init parts kept."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.zero_()
+            elif "down_proj" in name and "self_conditioning" in name or name.startswith("time_embedding.fc2"):
+                p.zero_()
+            elif p.dim() >= 2:
+                p.normal_(0.0, std)
+            else:
+                p.zero_()
+
+    # -- pieces --------------------------------------------------------------------------------
+    def embed(self, input_ids: Tensor, info: TokenInfo, selfcond: Tensor | None, t: Tensor | None) -> Tensor:
+        """Scaled token embeddings; conditioning is added to noisy tokens only, exactly once."""
+        w = self.model.embed_tokens.weight
+        x = self.model.embed_tokens(input_ids) * torch.tensor(math.sqrt(self.config.hidden_size)).to(w.dtype)
+        if self.self_conditioning is None and self.time_embedding is None:
+            return x
+        noisy = info.noisy[..., None]
+        cond = x
+        if self.self_conditioning is not None:
+            cond = self.self_conditioning(cond, selfcond)
+        if self.time_embedding is not None and t is not None:
+            cond = cond + self.time_embedding(t)[:, None, :]
+        return torch.where(noisy, cond, x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final-normed hidden states ``[.., d]`` -> logits ``[.., V]`` (with soft-capping)."""
+        z = self.lm_head(hidden)
+        if (cap := self.config.final_logit_softcapping) is not None:
+            z = torch.tanh(z / cap) * cap
+        return z
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
+        return {kind: self.rotary[kind](positions, dtype) for kind in set(self.config.layer_types)}
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        info: TokenInfo | None = None,
+        cache: KVCache | None = None,
+        write: bool | None = None,
+        selfcond: Tensor | None = None,
+        t: Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> Tensor:
+        """``input_ids [B, L]`` -> logits ``[B, L, V]`` (or final hidden ``[B, L, d]``).
+
+        ``info`` describes each token (default: clean, unpadded, positions ``0..L-1`` after the
+        cache). With a ``cache`` the tokens attend to its filled slots too; ``write`` (default:
+        True for clean inputs, False when any token is noisy) stores their keys and moves the
+        cursor. ``selfcond [B, L, d]`` is the self-conditioning signal (expected embedding of the
+        previous prediction), ``t [B]`` the diffusion time, both used on noisy tokens only.
+        """
+        cfg = self.config
+        b, n = input_ids.shape
+        if info is None:
+            info = TokenInfo.plain(b, n, input_ids.device)
+            if cache is not None and cache.cursor:
+                last = cache.info().positions.max(-1).values  # continue each row's positions
+                info.positions = info.positions + last[:, None] + 1
+        if write is None:
+            write = not bool(info.noisy.any())
+        if write and bool(info.noisy.any()):
+            raise ValueError("noisy (decoder) tokens are never written to the KV cache")
+        k_info = cache.key_info(info) if cache is not None else info
+        attend = get_attention(cfg.attn_implementation)
+        masks = {
+            SLIDING: MaskSpec(info, k_info, cfg.encoder_mode, cfg.sliding_window),
+            FULL: MaskSpec(info, k_info, cfg.encoder_mode, None),
+        }
+        x = self.embed(input_ids, info, selfcond, t)
+        rope = self.rope(info.positions, x.dtype)
+        for layer in self.model.layers:
+            kind = layer.layer_type
+            if cfg.gradient_checkpointing and self.training and cache is None:
+                x = checkpoint(layer, x, rope[kind], masks[kind], attend, None, False, use_reentrant=False)
+            else:
+                x = layer(x, rope[kind], masks[kind], attend, cache, write)
+        if cache is not None and write:
+            cache.advance(info)
+        x = self.model.norm(x)
+        return x if return_hidden else self.logits(x)
+
+    def num_parameters(self) -> int:
+        """Unique parameters (the tied LM head counted once)."""
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
