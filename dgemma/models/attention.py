@@ -1,6 +1,6 @@
 """Three interchangeable attention back-ends that must agree.
 
-- ``eager``: explicit scores, additive float mask, fp32 softmax. The ground-truth reference;
+- ``eager``: explicit scores, additive float mask, softmax in at least fp32. The ground-truth reference;
   kept on purpose (and the only one that supports attention-logit soft-capping besides flex).
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask.
 - ``flex``: FlexAttention with a block mask whose ``mask_mod`` evaluates
@@ -71,7 +71,10 @@ def eager_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | N
     scores = _softcap(torch.matmul(q, k.transpose(2, 3)) * scale, softcap)
     additive = torch.zeros(mask.dense().shape, dtype=scores.dtype, device=scores.device)
     additive.masked_fill_(~mask.dense(), torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores + additive[:, None], dim=-1, dtype=torch.float32).to(q.dtype)
+    # fp32 softmax for half/single precision (as transformers does); fp64 stays fp64 so the
+    # cache-vs-single-shot invariant can be checked to 1e-12
+    probs = torch.softmax(scores + additive[:, None], dim=-1,
+                          dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     return torch.matmul(probs, v)
 
 

@@ -52,6 +52,9 @@ class KVCache:
         if write:
             if self.cursor + n > self.max_len:
                 raise RuntimeError(f"KVCache overflow: {self.cursor} + {n} > max_len {self.max_len}")
+            if layer not in self.keys and self.cursor == 0 and n == self.max_len:
+                self.keys[layer], self.values[layer] = k, v  # one-shot fill (training): no copy
+                return k, v
             if layer not in self.keys:
                 shape = (self.batch, k.shape[1], self.max_len, k.shape[3])
                 self.keys[layer] = k.new_zeros(shape)

@@ -1,0 +1,212 @@
+"""Cross-entropy losses against a tied LM head, without full-vocabulary logits.
+
+At batch 8 x 4096 x 50,257 the fp32 logits alone are ~6.6 GB, and autograd would keep them (plus
+the softmax) alive until backward. :func:`chunked_cross_entropy` instead walks the masked tokens
+in chunks of ``chunk_tokens`` rows: forward keeps only one fp32 log-sum-exp per row, and backward
+recomputes each chunk's logits to form ``softmax - onehot`` on the spot. The largest tensor it
+ever creates is ``[chunk_tokens, V]``, whatever the number of tokens.
+
+Every loss here returns ``(loss_sum, count)`` (and the mean, for the two task losses) so that a
+trainer can normalise by the number of valid tokens across a whole gradient-accumulation window:
+backpropagate ``loss_sum / total_count`` on each micro-step, where ``total_count`` is the sum of
+the micro-steps' counts (known from the masks before any forward). Averaging per-micro-step means
+instead would weight tokens of short micro-batches more than those of long ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from dgemma.errors import DGemmaError
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """fp32 for half-precision inputs, fp64 when any input is fp64 (for exact reference tests)."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _check(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, chunk_tokens: int,
+           softcap: float | None) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise DGemmaError(
+            f"cross-entropy expects hidden [N, d] and weight [V, d]; got {tuple(hidden.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
+    n = hidden.shape[0]
+    if targets.shape != (n,) or mask.shape != (n,):
+        raise DGemmaError(
+            f"cross-entropy expects targets and mask of shape [{n}]; got {tuple(targets.shape)} "
+            f"and {tuple(mask.shape)}"
+        )
+    if targets.dtype != torch.long:
+        raise DGemmaError(f"targets must be int64 token ids, got {targets.dtype}")
+    if mask.dtype != torch.bool:
+        raise DGemmaError(f"mask must be bool, got {mask.dtype}")
+    if chunk_tokens < 1:
+        raise DGemmaError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if softcap is not None and not softcap > 0:
+        raise DGemmaError(f"softcap must be positive or None, got {softcap}")
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """Summed cross-entropy of ``softcap(h @ W.T)`` over rows of ``h``, chunk by chunk.
+
+    Saves only the inputs and a per-row log-sum-exp; backward recomputes each chunk's logits.
+    With ``z = c * tanh(y / c)`` the gradient w.r.t. the raw logit ``y`` is
+    ``(softmax(z) - onehot) * (1 - tanh(y / c) ** 2)``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int,
+                softcap: float | None) -> Tensor:
+        cd = _compute_dtype(hidden, weight)
+        w = weight.to(cd)
+        total = torch.zeros((), dtype=cd, device=hidden.device)
+        lse_parts = []
+        for s in range(0, hidden.shape[0], chunk):
+            z = hidden[s:s + chunk].to(cd) @ w.T
+            if softcap is not None:
+                z.div_(softcap).tanh_().mul_(softcap)
+            lse = torch.logsumexp(z, dim=-1)
+            total += (lse - z.gather(1, targets[s:s + chunk, None]).squeeze(1)).sum()
+            lse_parts.append(lse)
+            del z
+        lse_all = torch.cat(lse_parts) if lse_parts else hidden.new_zeros(0, dtype=cd)
+        ctx.save_for_backward(hidden, weight, targets, lse_all)
+        ctx.chunk, ctx.softcap = chunk, softcap
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        hidden, weight, targets, lse_all = ctx.saved_tensors
+        chunk, softcap = ctx.chunk, ctx.softcap
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        cd = lse_all.dtype
+        w = weight.to(cd)
+        g = grad_out.to(cd)
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=cd, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk].to(cd)
+            y = h @ w.T
+            lse = lse_all[s:s + chunk, None]
+            if softcap is not None:
+                t = y.div_(softcap).tanh_()
+                p = t.mul(softcap).sub_(lse).exp_()
+            else:
+                p = y.sub_(lse).exp_()
+            idx = targets[s:s + chunk, None]
+            p.scatter_(1, idx, p.gather(1, idx) - 1)
+            p.mul_(g)
+            if softcap is not None:
+                pass
+                del t
+            del y
+            if need_h:
+                grad_h[s:s + chunk] = (p @ w).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(p.T, h)
+            del p
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
+                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                          softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """Summed ``-log softmax(softcap(hidden @ weight.T))[target]`` over rows where ``mask``.
+
+    ``hidden [N, d]``, ``weight [V, d]`` (the tied embedding; it receives a gradient unless it
+    does not require one, as with LoRA), ``targets [N]`` int64 (only masked entries are read and
+    must lie in ``[0, V)``), ``mask [N]`` bool. Logits are formed in fp32 (fp64 for fp64 inputs)
+    ``chunk_tokens`` masked rows at a time and never for the whole batch, in forward or backward;
+    gradients come back in the inputs' dtypes. ``softcap`` is Gemma's final-logit soft-capping
+    ``tanh(z / c) * c``. Returns ``(loss_sum, count)``: a scalar in the compute dtype and the
+    int64 number of masked rows.
+    """
+    _check(hidden, weight, targets, mask, chunk_tokens, softcap)
+    count = mask.sum()
+    loss_sum = _ChunkedCE.apply(hidden[mask], weight, targets[mask], chunk_tokens, softcap)
+    return loss_sum, count
+
+
+def full_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
+                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                       softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """Eager reference for :func:`chunked_cross_entropy`: materialises all ``[N, V]`` logits.
+
+    Same signature and results (``chunk_tokens`` is accepted and ignored); kept for tests.
+    """
+    _check(hidden, weight, targets, mask, chunk_tokens, softcap)
+    cd = _compute_dtype(hidden, weight)
+    logits = hidden.to(cd) @ weight.to(cd).T
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    nll = F.cross_entropy(logits, targets.masked_fill(~mask, 0), reduction="none")
+    return (nll * mask).sum(), mask.sum()
+
+
+_IMPLS = {"chunked": chunked_cross_entropy, "full": full_cross_entropy}
+
+
+def _cross_entropy(impl: str):
+    if impl not in _IMPLS:
+        raise DGemmaError(f"unknown cross-entropy impl {impl!r}; choose one of {sorted(_IMPLS)}")
+    return _IMPLS[impl]
+
+
+def diffusion_loss(hidden: Tensor, weight: Tensor, x0: Tensor, mask: Tensor, *,
+                   impl: str = "chunked", **kw) -> tuple[Tensor, Tensor, Tensor]:
+    """x0-prediction loss: cross-entropy against the clean tokens ``x0`` wherever ``mask``.
+
+    ``hidden [..., d]`` are the decoder's final hidden states over the canvas; ``x0`` and
+    ``mask`` share its leading shape. ``mask`` is every valid (non-pad) canvas position,
+    corrupted or not, and there is no time weighting (SPEC §2). Returns
+    ``(mean, loss_sum, count)`` with ``mean = loss_sum / max(count, 1)``; an all-false mask gives
+    a zero loss that still backpropagates. ``kw`` goes to the cross-entropy (``chunk_tokens``,
+    ``softcap``); ``impl="full"`` selects the eager reference.
+    """
+    if x0.shape != hidden.shape[:-1] or mask.shape != x0.shape:
+        raise DGemmaError(
+            f"diffusion_loss expects hidden [..., d] with x0 and mask [...]; got "
+            f"{tuple(hidden.shape)}, {tuple(x0.shape)} and {tuple(mask.shape)}"
+        )
+    ce = _cross_entropy(impl)
+    loss_sum, count = ce(hidden.reshape(-1, hidden.shape[-1]), weight, x0.reshape(-1),
+                         mask.reshape(-1), **kw)
+    return loss_sum / count.clamp_min(1), loss_sum, count
+
+
+def ar_loss(hidden: Tensor, weight: Tensor, ids: Tensor, valid: Tensor, *, impl: str = "chunked",
+            **kw) -> tuple[Tensor, Tensor, Tensor]:
+    """Next-token cross-entropy of the encoder over ``[prompt | response]``.
+
+    ``hidden [B, L, d]`` at position ``i`` predicts ``ids[:, i + 1]``; position ``i`` counts when
+    ``valid[:, i]`` and ``valid[:, i + 1]`` both hold (SPEC §2), so nothing is predicted from or
+    into padding, wherever the padding sits. Returns ``(mean, loss_sum, count)`` as
+    :func:`diffusion_loss` does.
+    """
+    if hidden.dim() != 3 or ids.shape != hidden.shape[:2] or valid.shape != ids.shape:
+        raise DGemmaError(
+            f"ar_loss expects hidden [B, L, d] with ids and valid [B, L]; got "
+            f"{tuple(hidden.shape)}, {tuple(ids.shape)} and {tuple(valid.shape)}"
+        )
+    if valid.dtype != torch.bool:
+        raise DGemmaError(f"valid must be bool, got {valid.dtype}")
+    targets = ids.roll(-1, dims=1)
+    mask = valid & valid.roll(-1, dims=1)
+    mask[:, -1] = False
+    ce = _cross_entropy(impl)
+    loss_sum, count = ce(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                         mask.reshape(-1), **kw)
+    return loss_sum / count.clamp_min(1), loss_sum, count

@@ -1,0 +1,147 @@
+"""The training forward of a block-diffusion model (SPEC §2-3).
+
+Encode the clean ``[prompt | canvases]`` once (this fills a KV cache and gives the encoder AR
+loss), corrupt the selected canvas(es), and decode them against that cache. The decoder never
+writes the cache: a noisy canvas reads the clean keys of the prompt and of earlier canvases
+through the mask (``block < own block``), so no slot of the prompt or of later canvases is ever
+touched — unlike the reference JAX adapter, which decodes every canvas into the cache and
+overwrites prompt slots.
+
+Which canvases are decoded is the only difference between the adapter and Lite:
+
+- ``one``: one valid canvas per example, uniformly (the adapter);
+- ``all``: every valid canvas at once, each against its own prefix (Lite / BD3-LM style).
+
+Losses come back as sums and counts so the trainer normalises by valid tokens across
+gradient-accumulation micro-steps and ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dgemma.diffusion.losses import ar_loss, chunked_cross_entropy
+from dgemma.diffusion.schedules import sample_t
+from dgemma.models.kv_cache import KVCache
+from dgemma.models.masks import TokenInfo
+from dgemma.models.selfcond import expected_embedding
+
+
+@dataclass
+class LossTerms:
+    """Summed losses and the number of tokens they sum over (this micro-batch)."""
+
+    diffusion_sum: Tensor
+    diffusion_count: Tensor
+    ar_sum: Tensor
+    ar_count: Tensor
+
+    def objective(self, diffusion_norm: Tensor | float, ar_norm: Tensor | float, ar_weight: float) -> Tensor:
+        """The scalar to back-propagate, normalised by *global* token counts (clamped to >= 1)."""
+        loss = self.diffusion_sum / max(float(diffusion_norm), 1.0)
+        if ar_weight:
+            loss = loss + ar_weight * self.ar_sum / max(float(ar_norm), 1.0)
+        return loss
+
+
+def batch_info(batch: dict[str, Tensor], canvas_size: int) -> TokenInfo:
+    """Clean metadata of ``[prompt | canvases]``: prompt block 0, canvas ``i`` block ``i + 1``."""
+    prompt_valid, canvas_valid = batch["prompt_valid"].bool(), batch["canvas_valid"].bool()
+    prompt = TokenInfo.clean(prompt_valid)
+    start = prompt_valid.long().sum(-1)
+    offs = torch.arange(canvas_valid.shape[1], device=canvas_valid.device)
+    canvas = TokenInfo(
+        start[:, None] + offs[None, :],
+        (offs // canvas_size + 1)[None, :].expand_as(canvas_valid),
+        torch.zeros_like(canvas_valid),
+        canvas_valid,
+    )
+    return prompt.cat(canvas)
+
+
+def pick_canvases(canvas_mask: Tensor, mode: str, generator: torch.Generator) -> Tensor:
+    """``[B, N]`` bool: which canvases to decode. ``one`` draws one valid canvas per row uniformly."""
+    if mode == "all":
+        return canvas_mask.clone()
+    if mode != "one":
+        raise ValueError(f"decode mode must be 'one' or 'all', got {mode!r}")
+    weights = canvas_mask.float().cpu()
+    weights[weights.sum(-1) == 0, 0] = 1.0  # rows without a valid canvas: pick 0, masked out later
+    choice = torch.multinomial(weights, 1, generator=generator).to(canvas_mask.device)
+    return torch.zeros_like(canvas_mask).scatter_(1, choice, True) & canvas_mask
+
+
+def compact_valid(valid: Tensor) -> Tensor:
+    """Gather order that moves each row's valid tokens to the front, keeping their order.
+
+    With right-padded prompts the response starts after a pad gap; the AR loss must pair the
+    last prompt token with the first response token, so it runs on the compacted sequence.
+    """
+    return torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+
+
+class DiffusionObjective:
+    def __init__(self, *, noise, canvas_size: int, t_eps: float = 1e-4, selfcond_prob: float = 0.5,
+                 ar_loss_weight: float = 1.0, decode: str = "one", chunk_tokens: int = 1024):
+        self.noise = noise
+        self.canvas_size = canvas_size
+        self.t_eps = t_eps
+        self.selfcond_prob = selfcond_prob
+        self.ar_loss_weight = ar_loss_weight
+        self.decode = decode
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, model, batch: dict[str, Tensor], generator: torch.Generator) -> LossTerms:
+        prompt_ids, canvas_ids = batch["prompt_ids"], batch["canvas_ids"]
+        b, p = prompt_ids.shape
+        c = self.canvas_size
+        n = canvas_ids.shape[1] // c
+        dev = prompt_ids.device
+        weight = model.lm_head.weight
+        softcap = model.config.final_logit_softcapping
+
+        # 1. encoder: clean [prompt | canvases] -> cache (+ AR loss)
+        ids = torch.cat([prompt_ids, canvas_ids], 1)  # [B, P + N*C]
+        clean = batch_info(batch, c)
+        cache = KVCache(b, ids.shape[1])
+        hidden = model(ids, info=clean, cache=cache, return_hidden=True)  # [B, S, d]
+        if self.ar_loss_weight:
+            order = compact_valid(clean.valid)
+            h = hidden.gather(1, order[..., None].expand_as(hidden))
+            _, ar_sum, ar_count = ar_loss(h, weight, ids.gather(1, order), clean.valid.gather(1, order),
+                                          softcap=softcap, chunk_tokens=self.chunk_tokens)
+        else:
+            ar_sum, ar_count = hidden.new_zeros(()), torch.zeros((), dtype=torch.long, device=dev)
+
+        # 2. select and corrupt canvases (one t per example)
+        chosen = pick_canvases(batch["canvas_mask"].bool(), self.decode, generator)  # [B, N]
+        t = sample_t(b, generator=generator, eps=self.t_eps).to(dev)  # [B]
+        canvas_info = clean[:, p:]
+        chosen_tok = chosen.repeat_interleave(c, dim=1) & canvas_info.valid  # [B, N*C]
+        if self.decode == "one":  # decode only the chosen canvas: gather its C tokens per row
+            k = chosen.float().argmax(-1)  # [B]
+            idx = k[:, None] * c + torch.arange(c, device=dev)[None, :]  # [B, C]
+            x0 = canvas_ids.gather(1, idx)
+            sel = chosen_tok.gather(1, idx)
+            info = canvas_info[torch.arange(b, device=dev)[:, None], idx]
+        else:
+            x0, sel, info = canvas_ids, chosen_tok, canvas_info
+        xt = self.noise.q_sample(x0, t, generator=generator, where=sel)
+        noisy = TokenInfo(info.positions, info.blocks, torch.ones_like(sel), info.valid)
+
+        # 3. decoder, optionally self-conditioned on a detached first pass (p per example)
+        selfcond = None
+        if model.self_conditioning is not None and self.selfcond_prob > 0:
+            use = torch.rand(b, generator=generator).to(dev) < self.selfcond_prob
+            if use.any():
+                with torch.no_grad():
+                    h0 = model(xt, info=noisy, cache=cache, t=t, return_hidden=True)
+                    signal = expected_embedding(h0.reshape(-1, h0.shape[-1]), weight, softcap=softcap)
+                selfcond = signal.view_as(h0) * use[:, None, None].to(h0.dtype)  # zero signal = off
+        hd = model(xt, info=noisy, cache=cache, t=t, selfcond=selfcond, return_hidden=True)
+        d_sum, d_count = chunked_cross_entropy(hd.reshape(-1, hd.shape[-1]), weight, x0.reshape(-1),
+                                               sel.reshape(-1), softcap=softcap, chunk_tokens=self.chunk_tokens)
+        return LossTerms(d_sum, d_count, ar_sum, ar_count)

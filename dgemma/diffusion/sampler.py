@@ -1,0 +1,247 @@
+"""The canvas loop: prefill, denoise canvas by canvas through the KV cache, append, repeat.
+
+For each batch of prompts (right padded, any lengths)::
+
+    prefill the prompt                                   1 forward
+    for canvas k = 0, 1, ... < max_canvases:
+        x = pure noise                                   [A, C]
+        for each step on the time grid 1 -> 0:           1 forward each (decoder, no cache write)
+            logits = model(x | cache); x = step(x, logits)
+            rows whose stopping rule fires are frozen and leave the batch
+        cut each row's canvas at EOS / end-of-turn -> that row is finished
+        append the canvas of unfinished rows              1 forward (encoder, writes the cache)
+
+Finished rows leave the active batch (``KVCache.select``), so they stop costing compute.
+``use_cache=False`` recomputes the whole prefix at every step instead: the same numbers (the
+single-shot forward with the block mask), at the cost the cache exists to avoid.
+
+Plain AR decoding of the same weights through the same cache (:func:`ar_generate`) is the
+baseline every speed figure is compared with.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dgemma.diffusion.schedules import time_grid
+from dgemma.diffusion.steps import CanvasState
+from dgemma.diffusion.stopping import NoStop
+from dgemma.models.kv_cache import KVCache
+from dgemma.models.masks import TokenInfo
+from dgemma.models.selfcond import probs_embedding
+
+
+@dataclass
+class SampleResult:
+    tokens: list[list[int]]  # generated tokens per row, cut after the first stop token (kept)
+    forward_passes: list[int]  # per row: prefill + denoising steps + re-encodes it took part in
+    steps_used: list[list[int]]  # per row, per canvas
+    seconds: float
+    trajectories: list[list[dict]] | None = None  # per row: one dict per step (see record)
+
+    @property
+    def tokens_per_forward(self) -> list[float]:
+        return [len(t) / max(f, 1) for t, f in zip(self.tokens, self.forward_passes)]
+
+    def stats(self) -> dict:
+        n_tok = sum(len(t) for t in self.tokens)
+        n_fwd = sum(self.forward_passes)
+        return {
+            "tokens": n_tok,
+            "forward_passes": n_fwd,
+            "tokens_per_forward": n_tok / max(n_fwd, 1),
+            "tokens_per_second": n_tok / max(self.seconds, 1e-9),
+            "seconds": self.seconds,
+            "mean_steps_per_canvas": (
+                sum(sum(s) for s in self.steps_used) / max(sum(len(s) for s in self.steps_used), 1)),
+        }
+
+
+@dataclass(kw_only=True)
+class CanvasSampler:
+    """Block-diffusion sampling with a pluggable ``step`` and stopping rule."""
+
+    noise: object  # UniformNoise | AbsorbingNoise: supplies pure-noise canvases
+    step: object  # a Step from dgemma.diffusion.steps
+    num_steps: int
+    canvas_size: int
+    max_canvases: int = 1
+    stop: object = field(default_factory=NoStop)
+    stop_ids: tuple[int, ...] = ()  # EOS, end-of-turn
+    temperature: float = 0.7  # for the self-conditioning signal and the stopping entropy
+    t_max: float = 1.0
+    use_cache: bool = True
+    record: bool = False
+
+    @torch.no_grad()
+    def __call__(self, model, prompt_ids: Tensor, prompt_valid: Tensor, *, generator: torch.Generator) -> SampleResult:
+        t0 = time.perf_counter()
+        b, p = prompt_ids.shape
+        dev = prompt_ids.device
+        c = self.canvas_size
+        prompt_valid = prompt_valid.bool()
+        start = prompt_valid.long().sum(-1)  # [B] first canvas position per row
+        out: list[list[int]] = [[] for _ in range(b)]
+        fwd = [1] * b
+        steps_used: list[list[int]] = [[] for _ in range(b)]
+        traj = [[] for _ in range(b)] if self.record else None
+
+        active = torch.arange(b, device=dev)  # original row of each active row
+        prefix_ids, prefix_info = prompt_ids, TokenInfo.clean(prompt_valid)
+        cache = None
+        if self.use_cache:
+            cache = KVCache(b, p + self.max_canvases * c)
+            model(prompt_ids, info=prefix_info, cache=cache)
+
+        grid = time_grid(self.num_steps, t_max=self.t_max)
+        embed = model.model.embed_tokens.weight
+        for k in range(self.max_canvases):
+            a = active.numel()
+            pos = start[active][:, None] + k * c + torch.arange(c, device=dev)[None, :]
+            blocks = torch.full((a, c), k + 1, dtype=torch.long, device=dev)
+            ones = torch.ones(a, c, dtype=torch.bool, device=dev)
+            noisy = TokenInfo(pos, blocks, ones, ones)
+            state = CanvasState(tokens=self.noise.noise_like((a, c), generator=generator, device=dev),
+                                committed=torch.zeros(a, c, dtype=torch.bool, device=dev),
+                                prev_pred=None, prev_conf=None)
+            canvas = torch.empty(a, c, dtype=torch.long, device=dev)
+            running = torch.arange(a, device=dev)  # rows of the canvas batch still denoising
+            self.stop.reset(a)
+            selfcond = None
+            ctx_cache, ctx_ids, ctx_info = cache, prefix_ids, prefix_info
+            for i in range(self.num_steps):
+                t = grid[i].expand(running.numel()).to(dev)
+                if self.use_cache:
+                    logits = model(state.tokens, info=noisy[running], cache=ctx_cache, write=False,
+                                   selfcond=selfcond, t=t)
+                else:
+                    ids = torch.cat([ctx_ids, state.tokens], 1)
+                    logits = model(ids, info=ctx_info.cat(noisy[running]), selfcond=_pad_left(selfcond, ctx_ids), t=t)
+                    logits = logits[:, -c:]
+                for r in active[running].tolist():
+                    fwd[r] += 1
+                is_last = i == self.num_steps - 1
+                state = self.step(state, logits, float(grid[i]), float(grid[i + 1]), generator=generator,
+                                  is_last=is_last)
+                if model.self_conditioning is not None:
+                    selfcond = probs_embedding(logits / self.temperature, embed)
+                done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
+                    self.stop.update(logits, self.temperature)
+                if self.record:
+                    argmax = logits.argmax(-1)
+                    for j, r in enumerate(active[running].tolist()):
+                        traj[r].append({"canvas": k, "step": i, "t": float(grid[i]), "tokens": state.tokens[j].tolist(),
+                                        "committed": state.committed[j].tolist(), "argmax": argmax[j].tolist()})
+                if done.any():
+                    # rows that completed the schedule emit their final state; early-stopped rows
+                    # emit the argmax canvas of their last prediction
+                    final = state.tokens if is_last else logits.argmax(-1)
+                    canvas[running[done]] = final[done]
+                    for r in active[running[done]].tolist():
+                        steps_used[r].append(i + 1)
+                    keep = ~done
+                    running = running[keep]
+                    if running.numel() == 0:
+                        break
+                    state = _select_state(state, keep)
+                    self.stop.select(keep.nonzero().squeeze(1))
+                    selfcond = None if selfcond is None else selfcond[keep]
+                    if self.use_cache:
+                        ctx_cache = cache.select(running)
+                    else:
+                        ctx_ids, ctx_info = prefix_ids[running], prefix_info[running]
+
+            # cut at stop tokens; finished rows leave the batch
+            finished = torch.zeros(a, dtype=torch.bool, device=dev)
+            for j in range(a):
+                row = canvas[j].tolist()
+                cut = next((n + 1 for n, tok in enumerate(row) if tok in self.stop_ids), None)
+                out[int(active[j])].extend(row if cut is None else row[:cut])
+                finished[j] = cut is not None
+            keep = ~finished
+            if k == self.max_canvases - 1 or not keep.any():
+                break
+            active, canvas, pos, blocks = active[keep], canvas[keep], pos[keep], blocks[keep]
+            clean = TokenInfo(pos, blocks, torch.zeros_like(canvas, dtype=torch.bool),
+                              torch.ones_like(canvas, dtype=torch.bool))
+            if self.use_cache:
+                cache = cache.select(keep.nonzero().squeeze(1))
+                model(canvas, info=clean, cache=cache)  # append: the encoder pass over the clean canvas
+                for r in active.tolist():
+                    fwd[r] += 1
+            else:
+                prefix_ids = torch.cat([prefix_ids[keep], canvas], 1)
+                prefix_info = prefix_info[keep].cat(clean)
+        return SampleResult(out, fwd, steps_used, time.perf_counter() - t0, traj)
+
+
+def _select_state(state: CanvasState, keep: Tensor) -> CanvasState:
+    pick = lambda x: None if x is None else x[keep]  # noqa: E731
+    return CanvasState(tokens=state.tokens[keep], committed=state.committed[keep],
+                       prev_pred=pick(state.prev_pred), prev_conf=pick(state.prev_conf))
+
+
+def _pad_left(selfcond: Tensor | None, ctx_ids: Tensor) -> Tensor | None:
+    """Self-conditioning signal for ``[context | canvas]``: zeros on the (clean) context."""
+    if selfcond is None:
+        return None
+    pad = selfcond.new_zeros(ctx_ids.shape[0], ctx_ids.shape[1], selfcond.shape[-1])
+    return torch.cat([pad, selfcond], 1)
+
+
+@dataclass
+class ARResult:
+    tokens: list[list[int]]
+    forward_passes: list[int]
+    seconds: float
+
+    def stats(self) -> dict:
+        n_tok = sum(len(t) for t in self.tokens)
+        n_fwd = sum(self.forward_passes)
+        return {"tokens": n_tok, "forward_passes": n_fwd, "tokens_per_forward": n_tok / max(n_fwd, 1),
+                "tokens_per_second": n_tok / max(self.seconds, 1e-9), "seconds": self.seconds}
+
+
+@torch.no_grad()
+def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_tokens: int,
+                stop_ids: tuple[int, ...] = (), temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> ARResult:
+    """Token-by-token decoding through the same KV cache (greedy at ``temperature=0``)."""
+    t0 = time.perf_counter()
+    b, p = prompt_ids.shape
+    dev = prompt_ids.device
+    prompt_valid = prompt_valid.bool()
+    cache = KVCache(b, p + max_new_tokens)
+    logits = model(prompt_ids, info=TokenInfo.clean(prompt_valid), cache=cache)
+    last = prompt_valid.long().sum(-1) - 1
+    logits = logits[torch.arange(b, device=dev), last]  # [B, V]
+    pos = last + 1
+    out: list[list[int]] = [[] for _ in range(b)]
+    fwd = [1] * b
+    active = torch.arange(b, device=dev)
+    for i in range(max_new_tokens):
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
+        done = torch.zeros_like(nxt, dtype=torch.bool)
+        for j, (r, tok) in enumerate(zip(active.tolist(), nxt.tolist())):
+            out[r].append(tok)
+            done[j] = tok in stop_ids
+        keep = ~done
+        if i == max_new_tokens - 1 or not keep.any():
+            break
+        if not keep.all():
+            active, nxt, pos = active[keep], nxt[keep], pos[keep]
+            cache = cache.select(keep.nonzero().squeeze(1))
+        ones = torch.ones(active.numel(), 1, dtype=torch.bool, device=dev)
+        info = TokenInfo(pos[:, None], torch.zeros_like(pos[:, None]), ~ones, ones)
+        logits = model(nxt[:, None], info=info, cache=cache)[:, 0]
+        for r in active.tolist():
+            fwd[r] += 1
+        pos = pos + 1
+    return ARResult(out, fwd, time.perf_counter() - t0)

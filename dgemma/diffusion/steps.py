@@ -1,0 +1,219 @@
+"""Denoising steps of the canvas sampler (SPEC §4), one small class per rule.
+
+A step maps the canvas at time ``t`` and the model's raw logits to the canvas at time ``s < t``:
+``step(state, logits [B, C, V], t, s, *, generator, is_last) -> CanvasState``. Steps are pure:
+they see only the state, the logits and the caller's generator, apply their own temperature,
+and return a new state without touching the old one. Any step leaves positions that are
+already ``committed`` untouched, so a caller may pin tokens by committing them up front.
+
+Temperature 0 means greedy: the prediction is the argmax and its confidence is its probability
+under the untempered softmax (a zero-temperature distribution would give every position
+confidence 1 and nothing to rank by).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dgemma.diffusion.corruption import NoiseProcess, UniformNoise
+from dgemma.diffusion.schedules import Schedule
+from dgemma.errors import DGemmaError
+
+
+@dataclass
+class CanvasState:
+    """One canvas per row: ``tokens [B, C]`` (the current ``x_t``), ``committed [B, C]`` (final
+    for good), and the previous step's prediction and confidence (None before the first step)."""
+
+    tokens: Tensor
+    committed: Tensor
+    prev_pred: Tensor | None = None
+    prev_conf: Tensor | None = None
+
+    @classmethod
+    def from_noise(
+        cls, noise: NoiseProcess, batch: int, canvas: int, *, generator: torch.Generator, device=None
+    ) -> CanvasState:
+        """A pure-noise canvas with nothing committed (the start of every canvas)."""
+        tokens = noise.noise_like((batch, canvas), generator=generator, device=device)
+        return cls(tokens=tokens, committed=torch.zeros_like(tokens, dtype=torch.bool))
+
+    def select(self, rows: Tensor) -> CanvasState:
+        """The state of the rows ``rows`` (indices or a bool mask), to follow a shrinking batch."""
+        pick = lambda x: None if x is None else x[rows]  # noqa: E731
+        return CanvasState(pick(self.tokens), pick(self.committed), pick(self.prev_pred), pick(self.prev_conf))
+
+
+class Step(Protocol):
+    def __call__(
+        self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
+    ) -> CanvasState: ...
+
+
+def predict(logits: Tensor, temperature: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Sample ``x0 [B, C]`` from ``softmax(logits / T)`` and return it with its probability.
+
+    ``T = 0`` is greedy (see the module docstring). Computed in fp32.
+    """
+    logits = logits.float()
+    if temperature <= 0:
+        conf, pred = F.softmax(logits, dim=-1).max(dim=-1)
+        return pred, conf
+    probs = F.softmax(logits / temperature, dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    pred = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return pred, probs.gather(-1, pred.unsqueeze(-1)).squeeze(-1)
+
+
+def _check_temperature(temperature: float) -> float:
+    if not temperature >= 0:
+        raise DGemmaError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    return float(temperature)
+
+
+def _top_k_per_row(score: Tensor, k: Tensor) -> Tensor:
+    """Bool mask of the ``k[b]`` highest scores of each row; ties go to the lower position."""
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(score.shape[-1], device=score.device).expand_as(order))
+    return rank < k.unsqueeze(-1)
+
+
+def _renoise(state: CanvasState, noise: NoiseProcess, pred: Tensor, conf: Tensor, new: Tensor, generator) -> CanvasState:
+    """Keep committed tokens, commit ``pred`` at ``new``, redraw every other position from noise."""
+    fresh = noise.noise_like(tuple(state.tokens.shape), generator=generator, device=state.tokens.device)
+    new = new & ~state.committed
+    tokens = torch.where(state.committed, state.tokens, torch.where(new, pred, fresh))
+    return CanvasState(tokens=tokens, committed=state.committed | new, prev_pred=pred, prev_conf=conf)
+
+
+class DDIMStep:
+    """The adapter's step: ancestral sampling with the exact uniform-noise posterior.
+
+    Sample ``x0 ~ softmax(logits / T)``. Where ``x0 != x_t``, move to ``x0``, to a fresh noise
+    token, or stay at ``x_t`` with the probabilities of ``q(x_s | x_t, x0)``; the noise token is
+    drawn uniformly from the ``V - 2`` tokens that are neither, so the new token's marginal is
+    exactly that posterior. Where ``x0 == x_t`` the token stays (the adapter's rule); with
+    ``resample_agreeing=True`` those positions are drawn from the posterior too (full ancestral
+    sampling: at high noise an agreeing token is usually sent back to noise). Nothing is
+    committed; the last step targets ``s = 0``, where the posterior is ``x0`` itself.
+    """
+
+    def __init__(self, noise: UniformNoise, temperature: float = 0.7, resample_agreeing: bool = False):
+        if not isinstance(noise, UniformNoise):
+            raise DGemmaError(f"the ddim step needs uniform noise (its posterior), got {type(noise).__name__}")
+        self.noise = noise
+        self.temperature = _check_temperature(temperature)
+        self.resample_agreeing = bool(resample_agreeing)
+
+    def __call__(
+        self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
+    ) -> CanvasState:
+        x_t = state.tokens
+        x0, conf = predict(logits, self.temperature, generator)
+        p_x0, _, p_other = self.noise.posterior(x_t, x0, t, 0.0 if is_last else s)
+        u = torch.rand(x_t.shape, generator=generator, device=x_t.device, dtype=torch.float64)
+        other = self._other_token(x_t, x0, generator)
+        new = torch.where(u < p_x0, x0, torch.where(u < p_x0 + p_other, other, x_t))
+        frozen = state.committed if self.resample_agreeing else state.committed | (x0 == x_t)
+        tokens = torch.where(frozen, x_t, new)
+        return replace(state, tokens=tokens, prev_pred=x0, prev_conf=conf)
+
+    def _other_token(self, x_t: Tensor, x0: Tensor, generator: torch.Generator) -> Tensor:
+        """A token drawn uniformly from those that are neither ``x_t`` nor ``x0``.
+
+        Draws ``r`` uniform on ``[0, n)`` and skips over the excluded ids in increasing order. fp64
+        uniforms keep the bucket bias below 1e-10 even at V = 262,144.
+        """
+        vocab = self.noise.vocab_size
+        same = x0 == x_t
+        n = torch.where(same, vocab - 1, vocab - 2)
+        u = torch.rand(x_t.shape, generator=generator, device=x_t.device, dtype=torch.float64)
+        r = torch.minimum((u * n).long(), n - 1)
+        lo = torch.minimum(x0, x_t)
+        hi = torch.where(same, torch.full_like(x_t, vocab), torch.maximum(x0, x_t))
+        r = r + (r >= lo).long()
+        return r + (r >= hi).long()
+
+
+class CommitStep:
+    """Lite's step: commit the most confident positions on the schedule's pace, re-noise the rest.
+
+    Predict ``x0`` (greedy at ``T = 0``); among uncommitted positions, those whose prediction
+    equals the previous step's with a confidence at least as high come first, then by
+    confidence. Commit the top ones until ``ceil(alpha(s) * C)`` positions are committed (the
+    clean fraction at the next time); a committed position keeps its prediction at commit time
+    for good. Every other uncommitted position is redrawn from pure noise. The last step
+    commits everything.
+    """
+
+    def __init__(self, noise: NoiseProcess, schedule: Schedule | None = None, temperature: float = 0.0):
+        self.noise = noise
+        self.schedule = noise.schedule if schedule is None else schedule
+        self.temperature = _check_temperature(temperature)
+
+    def __call__(
+        self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
+    ) -> CanvasState:
+        pred, conf = predict(logits, self.temperature, generator)
+        open_ = ~state.committed
+        if is_last:
+            return _renoise(state, self.noise, pred, conf, open_, generator)
+        width = state.tokens.shape[-1]
+        alpha_s = float(self.schedule.alpha(torch.tensor(float(s), dtype=torch.float64)))
+        target = min(width, math.ceil(alpha_s * width - 1e-6))
+        n_new = (target - state.committed.sum(-1)).clamp_min(0)
+        score = conf.double()
+        if state.prev_pred is not None and state.prev_conf is not None:
+            stable = (pred == state.prev_pred) & (conf >= state.prev_conf)
+            score = score + 2.0 * stable
+        score = score.masked_fill(state.committed, -math.inf)
+        new = _top_k_per_row(score, n_new) & open_
+        return _renoise(state, self.noise, pred, conf, new, generator)
+
+
+class ConfidenceStep:
+    """Threshold step (Fast-dLLM, SDAR): commit every uncommitted position whose confidence
+    exceeds ``threshold``; if none does, commit the single most confident one; the last step
+    commits everything. Uncommitted positions are redrawn from pure noise, as in CommitStep."""
+
+    def __init__(self, noise: NoiseProcess, threshold: float = 0.9, temperature: float = 0.0):
+        if not 0.0 <= threshold <= 1.0:
+            raise DGemmaError(f"confidence threshold must lie in [0, 1], got {threshold}")
+        self.noise = noise
+        self.threshold = float(threshold)
+        self.temperature = _check_temperature(temperature)
+
+    def __call__(
+        self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
+    ) -> CanvasState:
+        pred, conf = predict(logits, self.temperature, generator)
+        open_ = ~state.committed
+        if is_last:
+            return _renoise(state, self.noise, pred, conf, open_, generator)
+        above = open_ & (conf > self.threshold)
+        best = F.one_hot(conf.masked_fill(~open_, -math.inf).argmax(-1), conf.shape[-1]).bool()
+        need = open_.any(-1) & ~above.any(-1)
+        new = above | (best & need.unsqueeze(-1))
+        return _renoise(state, self.noise, pred, conf, new, generator)
+
+
+STEPS: dict[str, type] = {"ddim": DDIMStep, "commit": CommitStep, "confidence": ConfidenceStep}
+
+
+def build_step(name: str, **kw: Any) -> Step:
+    """``build_step("ddim", noise=n, temperature=0.7)``; unknown names or arguments raise DGemmaError."""
+    if name not in STEPS:
+        raise DGemmaError(f"unknown denoising step {name!r}; choose one of {sorted(STEPS)}")
+    cls = STEPS[name]
+    try:
+        inspect.signature(cls).bind(**kw)
+    except TypeError as e:
+        raise DGemmaError(f"bad arguments for the {name!r} step: {e}") from None
+    return cls(**kw)

@@ -1,0 +1,573 @@
+"""Run configuration: one keyword-only dataclass per concern, composed into :class:`Config`.
+
+A run config is a flat Python file defining ``get_config() -> Config`` (no config imports
+another, SPEC §6). Any leaf is overridden on the command line as ``--cfg.optim.lr=3e-4``; values
+are parsed and checked against the dataclass annotations, so a typo or a bad value fails before
+any work starts, with the full dotted path and a suggestion. The resolved config is saved as
+``config.json`` in the workdir and loads back to an equal object.
+
+Choices are ``Literal`` annotations: the type checker, the parser and the error message all read
+the same declaration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import traceback
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from dgemma.errors import DGemmaError
+from dgemma.models.transformer import ModelConfig
+
+
+# ------------------------------------------------------------------------------------ sections
+@dataclass(kw_only=True)
+class InitConfig:
+    """Where the weights come from before step 0.
+
+    ``base`` is a source for :func:`dgemma.load_pretrained` (``"gemma3-270m"``, a HF folder, a
+    ``.gguf``); its architecture wins and the ``model`` fields that differ from
+    :class:`ModelConfig`'s defaults are applied on top (see :func:`model_overrides`). ``None``
+    builds a random model from ``model`` with ``seed``.
+    """
+
+    base: str | None = None
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class DiffusionConfig:
+    process: Literal["uniform", "absorbing"] = "uniform"
+    schedule: Literal["linear", "cosine"] = "linear"
+    t_eps: float = 1e-4  # t ~ U[t_eps, 1 - t_eps]
+    canvas_size: int = 256
+    num_canvases: int = 1
+    selfcond_prob: float = 0.5  # chance per example of the no-grad first pass
+    ar_loss_weight: float = 1.0  # encoder next-token loss beside the diffusion loss; 0 = off
+    loss_chunk_tokens: int = 1024  # tokens per chunked-CE slice: peak fp32 logits = this x vocab x 4 B
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    task: str = "sudoku"
+    path: str | None = None  # None: the task's default source (generator, shared data set)
+    prompt_len: int = 256
+    batch_size: int = 8  # per optimiser micro-step and rank
+    num_workers: int = 0
+    on_error: Literal["skip", "fail"] = "fail"  # a malformed record: count and skip, or stop
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Linear warmup to ``lr``, then cosine to ``lr * min_lr_ratio`` at the last step."""
+
+    name: Literal["adamw", "adafactor"] = "adamw"
+    lr: float = 1.5e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    betas: tuple[float, float] = (0.95, 0.99)
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    clip_norm: float | None = 1.0
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 2000
+    grad_accum: int = 1
+    seed: int = 0
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the device supports it
+    activation_checkpointing: bool = False
+    checkpoint_every: int = 1000
+    keep_last: int | None = 3  # None keeps every checkpoint
+    resume: bool = True  # continue from the workdir's latest complete checkpoint
+    log_every: int = 10
+    eval_every: int | None = None  # None: evaluate only at the end
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    nan_rollback_after: int = 5  # consecutive non-finite steps before rolling back
+    threads: int | None = None  # torch CPU threads; None = torch's default. Bits depend on it.
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    enabled: bool = False
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"  # resolved to names, never lm_head
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    batch_size: int = 8
+    steps: list[int] = field(default_factory=lambda: [32, 64, 96])  # one eval per denoising step count
+    step_type: Literal["ddim", "commit", "confidence", "entropy_bound"] = "ddim"
+    temperature: float = 0.7
+    early_stopping: Literal["entropy", "stable_confident"] | None = "entropy"
+    entropy_threshold: float = 0.05
+    max_canvases: int | None = None  # None: the data's num_canvases
+    num_examples: int = 256
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class AuxConfig:
+    """Small knobs. ``knobs`` is free-form (``--cfg.aux.knobs.NAME=VALUE``, value read as JSON
+    when it parses, else as a string) for experiments that should not grow the schema."""
+
+    eval_num_batches: int | None = None  # cap on eval batches during training; None = all
+    num_canvases: int | None = None  # eval-time canvas count override
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Config:
+    workdir: str | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    eval_ds: EvalConfig = field(default_factory=EvalConfig)
+    aux: AuxConfig = field(default_factory=AuxConfig)
+
+
+# ------------------------------------------------------------------------------------- typing
+_NONE_WORDS = ("none", "null")
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
+               "on": True, "off": False}
+
+
+class _BadValue(Exception):
+    """Internal: a value does not fit a type; carries nothing, the caller words the error."""
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _describe(tp) -> str:
+    """How a type reads in an error message."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "none"
+    if _is_union(tp):
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if tp is bool:
+        return "bool (true/false)"
+    if origin is list:
+        return f"list of {_describe(args[0])} (comma-separated or JSON)"
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"list of {_describe(args[0])} (comma-separated or JSON)"
+        return f"{len(args)} comma-separated values ({', '.join(_describe(a) for a in args)})"
+    if origin is dict:
+        return "JSON object"
+    if tp is Any:
+        return "any value"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _union_order(arg) -> int:
+    """Try the narrowest readings first: a Literal before a list, str last."""
+    if typing.get_origin(arg) is Literal:
+        return 0
+    return {bool: 1, int: 2, float: 3, str: 9}.get(arg, 5)
+
+
+def _split(s: str) -> list:
+    s = s.strip()
+    if s.startswith(("[", "(")):
+        try:
+            v = json.loads("[" + s[1:-1] + "]" if s.startswith("(") else s)
+        except json.JSONDecodeError:
+            raise _BadValue from None
+        if not isinstance(v, list):
+            raise _BadValue
+        return v
+    return [] if not s else [x.strip() for x in s.split(",")]
+
+
+def _coerce(v: Any, tp: Any, cli: bool) -> Any:
+    """``v`` as a value of ``tp``. ``cli``: ``v`` may be the command line's text for it.
+
+    Values from Python files and JSON are checked, not parsed: ``lr="1e-4"`` in a config file is
+    a mistake to report, not a string to guess at.
+    """
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    text = cli and isinstance(v, str)
+    if tp is Any:
+        return v
+    if tp is type(None):
+        if v is None or (text and v.strip().lower() in _NONE_WORDS):
+            return None
+        raise _BadValue
+    if _is_union(tp):
+        for arg in sorted(args, key=_union_order) if not (v is None) else args:
+            if arg is type(None) and not (v is None or text):
+                continue
+            try:
+                return _coerce(v, arg, cli)
+            except _BadValue:
+                continue
+        raise _BadValue
+    if origin is Literal:
+        for choice in args:
+            if v == choice and type(v) is type(choice) or text and str(choice) == v.strip():
+                return choice
+        raise _BadValue
+    if tp is bool:
+        if isinstance(v, bool):
+            return v
+        if text and v.strip().lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[v.strip().lower()]
+        raise _BadValue
+    if tp is int:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if text:
+            try:
+                return int(v.strip().replace("_", ""))
+            except ValueError:
+                try:
+                    f = float(v)
+                except ValueError:
+                    raise _BadValue from None
+                if f.is_integer():  # 1e3 steps
+                    return int(f)
+        raise _BadValue
+    if tp is float:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if text:
+            try:
+                return float(v.strip())
+            except ValueError:
+                raise _BadValue from None
+        raise _BadValue
+    if tp is str:
+        if isinstance(v, str):
+            return v
+        raise _BadValue
+    if origin in (list, tuple):
+        if text:
+            v = _split(v)
+        if not isinstance(v, (list, tuple)):
+            raise _BadValue
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(v) != len(args):
+                raise _BadValue
+            return tuple(_coerce(x, a, cli) for x, a in zip(v, args))
+        items = [_coerce(x, args[0] if args else Any, cli) for x in v]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if text:
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                raise _BadValue from None
+        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+            raise _BadValue
+        return {k: _coerce(x, args[1] if args else Any, cli) for k, x in v.items()}
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(v, tp):
+            return v
+        raise _BadValue
+    raise TypeError(f"config field type {tp!r} is not supported")
+
+
+def _check_value(v: Any, tp: Any, key: str, cli: bool) -> Any:
+    try:
+        return _coerce(v, tp, cli)
+    except _BadValue:
+        raise DGemmaError(f"invalid value {v!r} for {key}: expected {_describe(tp)}") from None
+
+
+# ---------------------------------------------------------------------------------- key paths
+def _leaf_paths(cls, prefix: str = "") -> list[str]:
+    out = []
+    for name, tp in _hints(cls).items():
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out += _leaf_paths(tp, f"{prefix}{name}.")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def _quote_list(items: list[str]) -> str:
+    q = [f"'{x}'" for x in items]
+    return q[0] if len(q) == 1 else ", ".join(q[:-1]) + " or " + q[-1]
+
+
+def _unknown_key(key: str, root=None) -> DGemmaError:
+    """``unknown config key 'optim.lrr'; did you mean 'optim.lr'?``
+
+    Suggestions come from the same section first (difflib on the field name, so ``optim.lrr``
+    is not matched to ``optim.eps`` through the shared prefix), then the same name in another
+    section (``train.lr`` -> ``optim.lr``), then the whole dotted path (``optm.lr``).
+    """
+    valid = _leaf_paths(root or Config)
+    section, _, leaf = key.rpartition(".")
+    in_section = [p for p in valid if p.rpartition(".")[0] == section]
+    names = difflib.get_close_matches(leaf, [p.rpartition(".")[2] for p in in_section], n=3, cutoff=0.6)
+    out = [f"{section}.{n}" if section else n for n in names]
+    out += [p for p in valid if p.rpartition(".")[2] == leaf and p not in out]
+    if not out:
+        out = difflib.get_close_matches(key, valid, n=3, cutoff=0.7)
+    if out:
+        return DGemmaError(f"unknown config key '{key}'; did you mean {_quote_list(out[:3])}?")
+    if in_section:
+        return DGemmaError(f"unknown config key '{key}'; valid keys under '{section}': "
+                           + ", ".join(p.rpartition(".")[2] for p in in_section))
+    return DGemmaError(f"unknown config key '{key}'; sections: " + ", ".join(_hints(root or Config)))
+
+
+# -------------------------------------------------------------------------------- rebuilding
+def _derived_defaults(obj, changes: dict[str, Any]) -> dict[str, Any]:
+    """Fields that ``__post_init__`` filled from others and that should follow them.
+
+    ``ModelConfig.layer_types`` defaults to a pattern over ``num_hidden_layers``; overriding the
+    layer count alone must re-derive it rather than fail on a stale 18-entry list. A field counts
+    as derived when it has a ``None`` default and rebuilding with ``None`` reproduces its value.
+    """
+    out = {}
+    current = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+    for f in dataclasses.fields(obj):
+        if f.name in changes or not f.init or f.default is not None or current[f.name] is None:
+            continue
+        try:
+            if getattr(type(obj)(**{**current, f.name: None}), f.name) == current[f.name]:
+                out[f.name] = None
+        except Exception:
+            continue
+    return out
+
+
+def _rebuild(obj, changes: dict[str, Any], section: str):
+    """A new ``type(obj)`` with ``changes``, so ``__post_init__`` validation runs again."""
+    kwargs = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+    kwargs.update(_derived_defaults(obj, changes))
+    kwargs.update(changes)
+    try:
+        return type(obj)(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise DGemmaError(f"invalid {section or 'config'} config: {e}") from None
+
+
+def apply_overrides(cfg: Config, args: list[str]) -> Config:
+    """Return a copy of ``cfg`` with ``--cfg.a.b=value`` items applied in order (later wins)."""
+    nested: dict = {}
+    for arg in args:
+        if not arg.startswith("--cfg."):
+            raise DGemmaError(f"not a config override: {arg!r}; write --cfg.SECTION.KEY=VALUE")
+        key, eq, value = arg[len("--cfg."):].partition("=")
+        if not eq:
+            raise DGemmaError(f"{arg} needs a value: write {arg}=VALUE")
+        parts = key.split(".")
+        cls, node = type(cfg), nested
+        for i, part in enumerate(parts):
+            hints = _hints(cls)
+            dotted = ".".join(parts[: i + 1])
+            if part not in hints:
+                raise _unknown_key(key, type(cfg))
+            tp = hints[part]
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+                if i == len(parts) - 1:
+                    raise DGemmaError(f"'{dotted}' is a config section, not a value; set one of its "
+                                      f"fields, e.g. --cfg.{dotted}.{next(iter(_hints(tp)))}=...")
+                cls, node = tp, node.setdefault(part, {})
+                continue
+            if typing.get_origin(tp) is dict and i < len(parts) - 1:  # free-form knobs
+                name = ".".join(parts[i + 1:])
+                try:
+                    parsed = json.loads(value)
+                except json.JSONDecodeError:
+                    parsed = value
+                node.setdefault((part, "__dict__"), {})[name] = _check_value(
+                    parsed, typing.get_args(tp)[1] if typing.get_args(tp) else Any, key, cli=False)
+                break
+            if i != len(parts) - 1:
+                raise DGemmaError(f"'{dotted}' is a value, not a section: no '{key}'")
+            node[part] = _check_value(value, tp, key, cli=True)
+            break
+    return _apply_nested(cfg, nested, "")
+
+
+def _apply_nested(obj, nested: dict, section: str):
+    if not nested:
+        return obj
+    changes = {}
+    for k, v in nested.items():
+        if isinstance(k, tuple):  # dict field updated key by key
+            changes[k[0]] = {**getattr(obj, k[0]), **v}
+        elif isinstance(v, dict) and dataclasses.is_dataclass(getattr(obj, k)):
+            changes[k] = _apply_nested(getattr(obj, k), v, f"{section}.{k}" if section else k)
+        else:
+            changes[k] = v
+    return _rebuild(obj, changes, section)
+
+
+# ------------------------------------------------------------------------------ dict / json
+def config_to_dict(cfg) -> dict:
+    """JSON-ready nested dict (tuples become lists)."""
+
+    def conv(v):
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return conv(cfg)
+
+
+def config_from_dict(d: dict, cls: type = Config, *, _prefix: str = "", _root: type | None = None):
+    """Inverse of :func:`config_to_dict`. Missing keys take defaults (configs saved before a
+    field existed still load); unknown keys are an error with a suggestion."""
+    root = _root or cls
+    if not isinstance(d, dict):
+        raise DGemmaError(f"config section '{_prefix.rstrip('.') or 'config'}' must be an object, got {d!r}")
+    hints = _hints(cls)
+    kwargs = {}
+    for k, v in d.items():
+        key = _prefix + k
+        if k not in hints:
+            raise _unknown_key(key, root)
+        tp = hints[k]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            kwargs[k] = config_from_dict(v, tp, _prefix=key + ".", _root=root)
+        else:
+            kwargs[k] = _check_value(v, tp, key, cli=False)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise DGemmaError(f"invalid {_prefix.rstrip('.') or 'config'} config: {e}") from None
+
+
+def validate_config(cfg: Config) -> Config:
+    """Type-check every field of a config built in Python (a file's ``get_config()``)."""
+    if not isinstance(cfg, Config):
+        raise DGemmaError(f"expected a Config, got {type(cfg).__name__}")
+    for name, tp in _hints(Config).items():
+        v = getattr(cfg, name)
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and not isinstance(v, tp):
+            raise DGemmaError(f"config field '{name}' must be a {tp.__name__}, got {type(v).__name__}")
+    return config_from_dict(config_to_dict(cfg))
+
+
+def save_config(cfg: Config, workdir: str | os.PathLike) -> Path:
+    """Write the resolved config to ``workdir/config.json`` (atomically) and return its path."""
+    path = Path(workdir) / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp_config_{os.getpid()}.json")
+    tmp.write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def model_overrides(cfg: Config) -> dict[str, Any]:
+    """``model`` fields that differ from :class:`ModelConfig`'s defaults: what to apply on top of
+    a pretrained ``init.base`` (e.g. ``{"self_conditioning": True}``)."""
+    default, mine = config_to_dict(ModelConfig()), config_to_dict(cfg.model)
+    return {k: getattr(cfg.model, k) for k, v in mine.items() if default.get(k) != v}
+
+
+# ------------------------------------------------------------------------------ files and CLI
+_KWARG_RE = re.compile(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")
+_SECTIONS = {c.__name__: c for c in (Config, ModelConfig, InitConfig, DiffusionConfig, DataConfig,
+                                     OptimConfig, TrainConfig, LoraConfig, EvalConfig, AuxConfig)}
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Run a config file and return its validated ``get_config()``.
+
+    A ``.json`` path is read as a saved ``config.json`` instead, so a finished run's resolved
+    config can seed the next one.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DGemmaError(f"config file not found: {path}")
+    if path.suffix == ".json":
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise DGemmaError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        return config_from_dict(d)
+    source = path.read_text()
+    try:
+        code = compile(source, str(path), "exec")
+    except SyntaxError as e:
+        raise DGemmaError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+    module = types.ModuleType(f"dgemma_config_{path.stem}")
+    module.__file__ = str(path)
+    try:
+        exec(code, module.__dict__)
+        get_config = module.__dict__.get("get_config")
+        if not callable(get_config):
+            raise DGemmaError(f"{path} defines no get_config() function returning a Config")
+        cfg = get_config()
+    except DGemmaError:
+        raise
+    except Exception as e:
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
+                     if f.filename == str(path)), None)
+        where = f"{path}:{line}" if line else str(path)
+        msg = f"{type(e).__name__}: {e}"
+        if isinstance(e, TypeError) and (m := _KWARG_RE.search(str(e))) and m[1] in _SECTIONS:
+            fields = list(_hints(_SECTIONS[m[1]]))
+            close = difflib.get_close_matches(m[2], fields, n=3, cutoff=0.6)
+            msg = f"{m[1]} has no field '{m[2]}'" + (f"; did you mean {_quote_list(close)}?" if close else "")
+        raise DGemmaError(f"{where}: {msg}") from None
+    if not isinstance(cfg, Config):
+        raise DGemmaError(f"{path}: get_config() returned {type(cfg).__name__}, not a Config")
+    return validate_config(cfg)
+
+
+def parse_cli(argv: list[str], *, require_file: bool = True) -> tuple[Config, list[str]]:
+    """``--cfg=FILE`` (or ``--cfg FILE``) plus ``--cfg.a.b=v`` overrides -> ``(Config, rest)``.
+
+    Everything else (``--step=3``, positionals) is returned untouched, in order, for the caller's
+    own parser. Without ``--cfg`` the defaults are the base, unless ``require_file``.
+    """
+    file, overrides, rest = None, [], []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--cfg" or a.startswith("--cfg="):
+            if file is not None:
+                raise DGemmaError(f"--cfg given twice ({file} and {a}); one config file per run")
+            if a == "--cfg":
+                if i + 1 >= len(argv):
+                    raise DGemmaError("--cfg needs a file: --cfg=configs/NAME.py")
+                i += 1
+                file = argv[i]
+            else:
+                file = a[len("--cfg="):]
+        elif a.startswith("--cfg."):
+            overrides.append(a)
+        else:
+            rest.append(a)
+        i += 1
+    if file is None and require_file:
+        raise DGemmaError("missing --cfg=FILE (a config file such as configs/sft_sudoku.py)")
+    cfg = load_config(file) if file is not None else Config()
+    return apply_overrides(cfg, overrides), rest
