@@ -108,7 +108,7 @@ class _ChunkedCE(torch.autograd.Function):
             p.scatter_(1, idx, p.gather(1, idx) - 1)
             p.mul_(g)
             if softcap is not None:
-                pass
+                p.mul_(t.square_().neg_().add_(1))
                 del t
             del y
             if need_h:
