@@ -389,7 +389,8 @@ def parse_puzzle(s: str) -> str:
     return p
 
 
-def _parse_solution(s: str) -> str:
+def parse_solution(s: str) -> str:
+    """Validate a solution (whitespace dropped) as a completed valid grid; return 81 digits 1-9."""
     if not isinstance(s, str):
         raise DGemmaError(f"solution must be a string of 81 digits, got {type(s).__name__}")
     g = "".join(s.split())
@@ -406,7 +407,7 @@ def format_prompt(puzzle: str) -> str:
 
 def format_response(solution: str) -> str:
     """The target of SPEC §5: the solution as 81 space-separated digits; must be a valid grid."""
-    return " ".join(_parse_solution(solution))
+    return " ".join(parse_solution(solution))
 
 
 def extract_digits(text: str) -> str | None:

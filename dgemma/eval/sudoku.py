@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from dgemma.data.sudoku import DIFFICULTIES, _parse_solution, count_clues, difficulty, extract_digits, grid_error, parse_puzzle
+from dgemma.data.sudoku import (
+    DIFFICULTIES,
+    count_clues,
+    difficulty,
+    extract_digits,
+    grid_error,
+    parse_puzzle,
+    parse_solution,
+)
 from dgemma.errors import DGemmaError
 
 METRICS = (
@@ -28,7 +36,7 @@ def score_sudoku(text: str, puzzle: str, solution: str) -> dict:
     Returns the metrics plus ``parsed``, ``prediction``, ``clues`` and ``difficulty``.
     """
     puzzle = parse_puzzle(puzzle)
-    solution = _parse_solution(solution)
+    solution = parse_solution(solution)
     for i, (p, s) in enumerate(zip(puzzle, solution)):
         if p != "0" and p != s:
             raise DGemmaError(f"solution contradicts its puzzle at cell {i + 1}: clue {p}, solution {s}")
