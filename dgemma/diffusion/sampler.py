@@ -77,6 +77,10 @@ class CanvasSampler:
     use_cache: bool = True
     record: bool = False
 
+    @property
+    def forbid(self) -> int | None:
+        return getattr(self.noise, "mask_token_id", None)
+
     @torch.no_grad()
     def __call__(self, model, prompt_ids: Tensor, prompt_valid: Tensor, *, generator: torch.Generator) -> SampleResult:
         t0 = time.perf_counter()
@@ -122,6 +126,8 @@ class CanvasSampler:
                     ids = torch.cat([ctx_ids, state.tokens], 1)
                     logits = model(ids, info=ctx_info.cat(noisy[running]), selfcond=_pad_left(selfcond, ctx_ids), t=t)
                     logits = logits[:, -c:]
+                if self.forbid is not None:  # never predict the absorbing mask token
+                    logits[..., self.forbid] = float("-inf")
                 for r in active[running].tolist():
                     fwd[r] += 1
                 is_last = i == self.num_steps - 1
@@ -147,7 +153,7 @@ class CanvasSampler:
                     running = running[keep]
                     if running.numel() == 0:
                         break
-                    state = _select_state(state, keep)
+                    state = state.select(keep)
                     self.stop.select(keep.nonzero().squeeze(1))
                     selfcond = None if selfcond is None else selfcond[keep]
                     if self.use_cache:
@@ -177,12 +183,6 @@ class CanvasSampler:
                 prefix_ids = torch.cat([prefix_ids[keep], canvas], 1)
                 prefix_info = prefix_info[keep].cat(clean)
         return SampleResult(out, fwd, steps_used, time.perf_counter() - t0, traj)
-
-
-def _select_state(state: CanvasState, keep: Tensor) -> CanvasState:
-    pick = lambda x: None if x is None else x[keep]  # noqa: E731
-    return CanvasState(tokens=state.tokens[keep], committed=state.committed[keep],
-                       prev_pred=pick(state.prev_pred), prev_conf=pick(state.prev_conf))
 
 
 def _pad_left(selfcond: Tensor | None, ctx_ids: Tensor) -> Tensor | None:

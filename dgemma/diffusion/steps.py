@@ -81,11 +81,14 @@ def _check_temperature(temperature: float) -> float:
 def _top_k_per_row(score: Tensor, k: Tensor) -> Tensor:
     """Bool mask of the ``k[b]`` highest scores of each row; ties go to the lower position."""
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(score.shape[-1], device=score.device).expand_as(order))
+    positions = torch.arange(score.shape[-1], device=score.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)
     return rank < k.unsqueeze(-1)
 
 
-def _renoise(state: CanvasState, noise: NoiseProcess, pred: Tensor, conf: Tensor, new: Tensor, generator) -> CanvasState:
+def _renoise(
+    state: CanvasState, noise: NoiseProcess, pred: Tensor, conf: Tensor, new: Tensor, generator: torch.Generator
+) -> CanvasState:
     """Keep committed tokens, commit ``pred`` at ``new``, redraw every other position from noise."""
     fresh = noise.noise_like(tuple(state.tokens.shape), generator=generator, device=state.tokens.device)
     new = new & ~state.committed

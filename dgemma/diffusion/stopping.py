@@ -1,0 +1,129 @@
+"""Early stopping of a canvas's denoising loop (SPEC §4).
+
+A rule is stateful per batch row: ``reset(batch)`` at the start of a canvas, then
+``update(logits, temperature, valid) -> done [B]`` after every step, and ``select(rows)`` when
+the sampler drops finished rows. Entropies are in nats of the temperature-scaled distribution
+(temperature 0 reads as 1, as in the steps: a greedy distribution has no entropy to measure).
+
+Entropy stopping is inert on untrained weights: a random model's predictions are near uniform
+(mean entropy close to ``log V``) and never fall to the thresholds, so every canvas runs all
+its steps. It only means something after training.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dgemma.errors import DGemmaError
+
+
+class StoppingRule(Protocol):
+    def reset(self, batch: int) -> None: ...
+
+    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor: ...
+
+    def select(self, rows: Tensor) -> None: ...
+
+
+def mean_entropy(logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor:
+    """Mean per-token entropy (nats, fp32) of ``softmax(logits / T)`` over ``valid`` positions: ``[B]``.
+
+    Rows without a valid position get 0.
+    """
+    scale = temperature if temperature > 0 else 1.0
+    probs = F.softmax(logits.float() / scale, dim=-1)
+    ent = torch.special.entr(probs).sum(-1)
+    if valid is None:
+        return ent.mean(-1)
+    ent = ent.masked_fill(~valid, 0.0)
+    return ent.sum(-1) / valid.sum(-1).clamp_min(1)
+
+
+class NoStop:
+    """Never stops early: every canvas runs all its steps."""
+
+    def reset(self, batch: int) -> None:
+        pass
+
+    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor:
+        return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+
+    def select(self, rows: Tensor) -> None:
+        pass
+
+
+class EntropyStop:
+    """The adapter's rule: done when the mean entropy is at most ``threshold`` (0.05 nats)."""
+
+    def __init__(self, threshold: float = 0.05):
+        if threshold < 0:
+            raise DGemmaError(f"entropy threshold must be >= 0, got {threshold}")
+        self.threshold = float(threshold)
+
+    def reset(self, batch: int) -> None:
+        pass
+
+    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor:
+        return mean_entropy(logits, temperature, valid) <= self.threshold
+
+    def select(self, rows: Tensor) -> None:
+        pass
+
+
+class StableAndConfident:
+    """The released DiffusionGemma's rule: done when the argmax canvas has equalled the one of
+    each of the ``stability_threshold`` previous steps and the mean entropy is below
+    ``confidence_threshold``. With ``stability_threshold = 0`` only the entropy counts.
+    Positions outside ``valid`` are ignored by both tests."""
+
+    def __init__(self, stability_threshold: int = 1, confidence_threshold: float = 0.005):
+        if stability_threshold < 0 or int(stability_threshold) != stability_threshold:
+            raise DGemmaError(f"stability_threshold must be an integer >= 0, got {stability_threshold}")
+        if confidence_threshold <= 0:
+            raise DGemmaError(f"confidence_threshold must be > 0, got {confidence_threshold}")
+        self.stability_threshold = int(stability_threshold)
+        self.confidence_threshold = float(confidence_threshold)
+        self._prev: Tensor | None = None
+        self._streak: Tensor | None = None
+
+    def reset(self, batch: int) -> None:
+        self._prev = None
+        self._streak = None
+
+    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor:
+        argmax = logits.argmax(-1)
+        if self._prev is None:
+            self._streak = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        else:
+            same = argmax == self._prev
+            if valid is not None:
+                same = same | ~valid
+            self._streak = torch.where(same.all(-1), self._streak + 1, torch.zeros_like(self._streak))
+        self._prev = argmax
+        stable = self._streak >= self.stability_threshold
+        return stable & (mean_entropy(logits, temperature, valid) < self.confidence_threshold)
+
+    def select(self, rows: Tensor) -> None:
+        if self._prev is not None:
+            self._prev = self._prev[rows]
+            self._streak = self._streak[rows]
+
+
+STOPPING: dict[str, type] = {"none": NoStop, "entropy": EntropyStop, "stable_confident": StableAndConfident}
+
+
+def build_stopping(name: str, **kw: Any) -> StoppingRule:
+    """``build_stopping("entropy", threshold=0.05)``; unknown names raise DGemmaError."""
+    if name not in STOPPING:
+        raise DGemmaError(f"unknown stopping rule {name!r}; choose one of {sorted(STOPPING)}")
+    cls = STOPPING[name]
+    try:
+        inspect.signature(cls).bind(**kw)
+    except TypeError as e:
+        raise DGemmaError(f"bad arguments for the {name!r} stopping rule: {e}") from None
+    return cls(**kw)
