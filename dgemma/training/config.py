@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import re
@@ -29,6 +30,18 @@ from dgemma.models.transformer import ModelConfig
 
 
 # ------------------------------------------------------------------------------------ sections
+def _positive(obj, *names: str) -> None:
+    for n in names:
+        if getattr(obj, n) is not None and getattr(obj, n) < 1:
+            raise ValueError(f"{n} must be >= 1, got {getattr(obj, n)}")
+
+
+def _fraction(obj, *names: str) -> None:
+    for n in names:
+        if not 0.0 <= getattr(obj, n) <= 1.0:
+            raise ValueError(f"{n} must be in [0, 1], got {getattr(obj, n)}")
+
+
 @dataclass(kw_only=True)
 class InitConfig:
     """Where the weights come from before step 0.
@@ -54,6 +67,12 @@ class DiffusionConfig:
     ar_loss_weight: float = 1.0  # encoder next-token loss beside the diffusion loss; 0 = off
     loss_chunk_tokens: int = 1024  # tokens per chunked-CE slice: peak fp32 logits = this x vocab x 4 B
 
+    def __post_init__(self):
+        _positive(self, "canvas_size", "num_canvases", "loss_chunk_tokens")
+        _fraction(self, "selfcond_prob")
+        if not 0.0 <= self.t_eps < 0.5:
+            raise ValueError(f"t_eps must be in [0, 0.5), got {self.t_eps}")
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -64,6 +83,9 @@ class DataConfig:
     num_workers: int = 0
     on_error: Literal["skip", "fail"] = "fail"  # a malformed record: count and skip, or stop
     seed: int = 0
+
+    def __post_init__(self):
+        _positive(self, "prompt_len", "batch_size")
 
 
 @dataclass(kw_only=True)
@@ -78,6 +100,9 @@ class OptimConfig:
     weight_decay: float = 1e-4
     eps: float = 1e-8
     clip_norm: float | None = 1.0
+
+    def __post_init__(self):
+        _fraction(self, "min_lr_ratio")
 
 
 @dataclass(kw_only=True)
@@ -96,6 +121,10 @@ class TrainConfig:
     nan_rollback_after: int = 5  # consecutive non-finite steps before rolling back
     threads: int | None = None  # torch CPU threads; None = torch's default. Bits depend on it.
 
+    def __post_init__(self):
+        _positive(self, "steps", "grad_accum", "checkpoint_every", "keep_last", "log_every", "eval_every",
+                  "nan_rollback_after", "threads")
+
 
 @dataclass(kw_only=True)
 class LoraConfig:
@@ -112,11 +141,16 @@ class EvalConfig:
     steps: list[int] = field(default_factory=lambda: [32, 64, 96])  # one eval per denoising step count
     step_type: Literal["ddim", "commit", "confidence", "entropy_bound"] = "ddim"
     temperature: float = 0.7
-    early_stopping: Literal["entropy", "stable_confident"] | None = "entropy"
+    early_stopping: Literal["entropy", "stable_confident"] | None = "entropy"  # None: run every step
     entropy_threshold: float = 0.05
     max_canvases: int | None = None  # None: the data's num_canvases
     num_examples: int = 256
     seed: int = 0
+
+    def __post_init__(self):
+        _positive(self, "batch_size", "max_canvases", "num_examples")
+        if any(n < 1 for n in self.steps):
+            raise ValueError(f"steps must all be >= 1, got {self.steps}")
 
 
 @dataclass(kw_only=True)
@@ -131,6 +165,9 @@ class AuxConfig:
 
 @dataclass(kw_only=True)
 class Config:
+    """A run. ``eval_ds`` is the evaluation section, named as in the reference configs
+    (``--cfg.eval_ds.batch_size=16``)."""
+
     workdir: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     init: InitConfig = field(default_factory=InitConfig)
@@ -153,6 +190,7 @@ class _BadValue(Exception):
     """Internal: a value does not fit a type; carries nothing, the caller words the error."""
 
 
+@functools.cache
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -220,9 +258,9 @@ def _coerce(v: Any, tp: Any, cli: bool) -> Any:
             return None
         raise _BadValue
     if _is_union(tp):
-        for arg in sorted(args, key=_union_order) if not (v is None) else args:
-            if arg is type(None) and not (v is None or text):
-                continue
+        if type(None) in args and (v is None or text and v.strip().lower() in _NONE_WORDS):
+            return None
+        for arg in sorted((a for a in args if a is not type(None)), key=_union_order):
             try:
                 return _coerce(v, arg, cli)
             except _BadValue:
@@ -333,10 +371,10 @@ def _unknown_key(key: str, root=None) -> DGemmaError:
         out = difflib.get_close_matches(key, valid, n=3, cutoff=0.7)
     if out:
         return DGemmaError(f"unknown config key '{key}'; did you mean {_quote_list(out[:3])}?")
-    if in_section:
+    if in_section and section:
         return DGemmaError(f"unknown config key '{key}'; valid keys under '{section}': "
                            + ", ".join(p.rpartition(".")[2] for p in in_section))
-    return DGemmaError(f"unknown config key '{key}'; sections: " + ", ".join(_hints(root or Config)))
+    return DGemmaError(f"unknown config key '{key}'; top-level keys: " + ", ".join(_hints(root or Config)))
 
 
 # -------------------------------------------------------------------------------- rebuilding
@@ -488,7 +526,8 @@ def model_overrides(cfg: Config) -> dict[str, Any]:
     """``model`` fields that differ from :class:`ModelConfig`'s defaults: what to apply on top of
     a pretrained ``init.base`` (e.g. ``{"self_conditioning": True}``)."""
     default, mine = config_to_dict(ModelConfig()), config_to_dict(cfg.model)
-    return {k: getattr(cfg.model, k) for k, v in mine.items() if default.get(k) != v}
+    derived = _derived_defaults(cfg.model, {})
+    return {k: getattr(cfg.model, k) for k, v in mine.items() if default.get(k) != v and k not in derived}
 
 
 # ------------------------------------------------------------------------------ files and CLI
