@@ -1,0 +1,136 @@
+"""The training forward: canvas selection, cache hygiene, self-conditioning, AR pairing."""
+
+import pytest
+import torch
+
+import dgemma.diffusion.objective as objective_mod
+from dgemma.diffusion.corruption import UniformNoise
+from dgemma.diffusion.objective import DiffusionObjective, compact_valid, pick_canvases
+from dgemma.diffusion.sampler import CanvasSampler
+from dgemma.diffusion.schedules import LinearSchedule
+from dgemma.diffusion.steps import build_step
+from dgemma.diffusion.stopping import EntropyStop
+from dgemma.models.kv_cache import KVCache
+from dgemma.models.masks import TokenInfo
+from dgemma.models.transformer import DiffusionGemma, ModelConfig
+
+V, C, N = 40, 4, 3
+
+
+def tiny(**kw):
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, **kw)
+    torch.manual_seed(0)
+    return DiffusionGemma(cfg).double()
+
+
+def make_batch(b=2):
+    g = torch.Generator().manual_seed(3)
+    pvalid = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]).bool()[:b]
+    return {"prompt_ids": torch.randint(2, V, (b, 6), generator=g), "prompt_valid": pvalid,
+            "canvas_ids": torch.randint(2, V, (b, N * C), generator=g),
+            "canvas_valid": torch.ones(b, N * C, dtype=torch.bool), "canvas_mask": torch.ones(b, N, dtype=torch.bool)}
+
+
+def objective(**kw):
+    args = dict(noise=UniformNoise(V, LinearSchedule()), canvas_size=C, selfcond_prob=0.0)
+    args.update(kw)
+    return DiffusionObjective(**args)
+
+
+def test_selfcond_and_time_conditioning_are_exact_no_ops_at_init():
+    plain, cond = tiny(), tiny(self_conditioning=True, time_conditioning=True)
+    cond.load_state_dict(plain.state_dict(), strict=False)
+    ids = torch.randint(0, V, (2, 10))
+    ones = torch.ones(2, 10, dtype=torch.bool)
+    info = TokenInfo(torch.arange(10).expand(2, 10), torch.zeros(2, 10, dtype=torch.long), ones, ones)
+    signal = torch.randn(2, 10, 32, dtype=torch.float64)
+    t = torch.tensor([0.2, 0.9], dtype=torch.float64)
+    with torch.no_grad():
+        want = plain(ids, info=info)
+        torch.testing.assert_close(cond(ids, info=info, selfcond=signal, t=t), want, rtol=0, atol=0)
+        torch.testing.assert_close(cond(ids, info=info), want, rtol=0, atol=0)
+
+
+def test_selected_canvas_sees_only_its_prefix():
+    """Later canvases (and the chosen canvas's own clean tokens) cannot change its loss."""
+    model, obj, b = tiny(), objective(ar_loss_weight=0.0), make_batch()
+    base = obj(model, b, torch.Generator().manual_seed(5))
+    k = pick_canvases(b["canvas_mask"], "one", torch.Generator().manual_seed(5)).float().argmax(-1)
+    assert k.tolist() == [1, 1]  # the seed picks the middle canvas for both rows, so this test is meaningful
+    later = dict(b, canvas_ids=b["canvas_ids"].clone())
+    later["canvas_ids"][:, 2 * C:] = (later["canvas_ids"][:, 2 * C:] + 1) % V
+    earlier = dict(b, canvas_ids=b["canvas_ids"].clone())
+    earlier["canvas_ids"][:, :C] = (earlier["canvas_ids"][:, :C] + 1) % V
+    same = obj(model, later, torch.Generator().manual_seed(5))
+    diff = obj(model, earlier, torch.Generator().manual_seed(5))
+    assert torch.equal(same.diffusion_sum, base.diffusion_sum)
+    assert not torch.equal(diff.diffusion_sum, base.diffusion_sum)
+    assert int(base.diffusion_count) == 2 * C
+
+
+def test_decoder_never_writes_the_training_cache(monkeypatch):
+    writes = []
+
+    class Spy(KVCache):
+        def attend_keys(self, layer, k, v, write):
+            writes.append((self.cursor, write, k.shape[2]))
+            return super().attend_keys(layer, k, v, write)
+
+    monkeypatch.setattr(objective_mod, "KVCache", Spy)
+    model = tiny(self_conditioning=True)
+    objective(selfcond_prob=1.0)(model, make_batch(), torch.Generator().manual_seed(0))
+    layers = model.config.num_hidden_layers
+    assert [w[1] for w in writes] == [True] * layers + [False] * (2 * layers)  # encode; 2 decoder passes
+    assert all(w[0] == 6 + N * C for w in writes[layers:])  # the decoder reads the full cache, masked
+    assert all(w[2] == C for w in writes[layers:])  # and feeds only the chosen canvas
+
+
+def test_selfcond_first_pass_is_detached_and_per_example(monkeypatch):
+    seen = []
+    model = tiny(self_conditioning=True)
+    real = model.forward
+
+    def spy(*args, **kw):
+        if kw.get("selfcond") is not None:
+            seen.append(kw["selfcond"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(model, "forward", spy)
+    b = make_batch()
+    b = {k: v.repeat(8, 1) for k, v in b.items()}
+    objective(selfcond_prob=0.5)(model, b, torch.Generator().manual_seed(1))
+    (signal,) = seen
+    assert not signal.requires_grad
+    used = signal.abs().sum((1, 2)) > 0
+    assert 0 < int(used.sum()) < 16  # some rows conditioned, the rest get the exact zero signal
+
+
+def test_ar_loss_pairs_across_the_prompt_padding_gap():
+    valid = torch.tensor([[1, 1, 0, 0, 1, 1]]).bool()
+    order = compact_valid(valid)
+    assert order.tolist() == [[0, 1, 4, 5, 2, 3]]
+
+
+def test_all_mode_decodes_every_valid_canvas():
+    b = make_batch()
+    b["canvas_mask"][1, 2] = False
+    b["canvas_valid"][1, 2 * C:] = False
+    terms = objective(decode="all", ar_loss_weight=0.0)(tiny(), b, torch.Generator().manual_seed(0))
+    assert int(terms.diffusion_count) == 2 * N * C - C
+
+
+@pytest.mark.parametrize("threshold, steps", [(float("inf"), 1), (0.0, 6)])
+def test_entropy_stopping_freezes_rows(threshold, steps):
+    model = tiny().eval()
+    noise = UniformNoise(V, LinearSchedule())
+    b = make_batch()
+    sampler = CanvasSampler(noise=noise, step=build_step("ddim", noise=noise), num_steps=6, canvas_size=C,
+                            max_canvases=1, stop=EntropyStop(threshold), record=True)
+    res = sampler(model, b["prompt_ids"], b["prompt_valid"], generator=torch.Generator().manual_seed(0))
+    assert [s[0] for s in res.steps_used] == [steps, steps]
+    assert res.forward_passes == [1 + steps, 1 + steps]
+    assert [len(tr) for tr in res.trajectories] == [steps, steps]
+    if steps == 1:  # an early-stopped row emits the argmax canvas of its last prediction
+        assert res.tokens[0] == res.trajectories[0][-1]["argmax"]
