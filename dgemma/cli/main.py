@@ -10,6 +10,7 @@ from dgemma.errors import DGemmaError
 
 VERBS = {
     "prepare": "dgemma.cli.prepare",
+    "train": "dgemma.cli.train",
 }
 
 

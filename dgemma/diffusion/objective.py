@@ -98,28 +98,30 @@ class DiffusionObjective:
         prompt_ids, canvas_ids = batch["prompt_ids"], batch["canvas_ids"]
         b, p = prompt_ids.shape
         c = self.canvas_size
-        n = canvas_ids.shape[1] // c
         dev = prompt_ids.device
         weight = model.lm_head.weight
         softcap = model.config.final_logit_softcapping
 
-        # 1. encoder: clean [prompt | canvases] -> cache (+ AR loss)
-        ids = torch.cat([prompt_ids, canvas_ids], 1)  # [B, P + N*C]
+        # 1. select canvases (one t per example); 2. encode the clean context -> cache (+ AR loss)
+        chosen = pick_canvases(batch["canvas_mask"].bool(), self.decode, generator)  # [B, N]
+        t = sample_t(b, generator=generator, eps=self.t_eps).to(dev)  # [B]
         clean = batch_info(batch, c)
-        cache = KVCache(b, ids.shape[1])
-        hidden = model(ids, info=clean, cache=cache, return_hidden=True)  # [B, S, d]
+        ids = torch.cat([prompt_ids, canvas_ids], 1)  # [B, P + N*C]
+        if not self.ar_loss_weight:  # no canvas attends to its own or later clean tokens: skip them
+            last = int(chosen.any(0).nonzero().max()) if chosen.any() else 0
+            ids, clean = ids[:, : p + last * c], clean[:, : p + last * c]
+        cache = KVCache(b, ids.shape[1]) if ids.shape[1] else None  # no context: decode alone
+        hidden = model(ids, info=clean, cache=cache, return_hidden=True) if cache is not None else None
         if self.ar_loss_weight:
             order = compact_valid(clean.valid)
             h = hidden.gather(1, order[..., None].expand_as(hidden))
             _, ar_sum, ar_count = ar_loss(h, weight, ids.gather(1, order), clean.valid.gather(1, order),
                                           softcap=softcap, chunk_tokens=self.chunk_tokens)
         else:
-            ar_sum, ar_count = hidden.new_zeros(()), torch.zeros((), dtype=torch.long, device=dev)
+            ar_sum, ar_count = weight.new_zeros(()), torch.zeros((), dtype=torch.long, device=dev)
 
-        # 2. select and corrupt canvases (one t per example)
-        chosen = pick_canvases(batch["canvas_mask"].bool(), self.decode, generator)  # [B, N]
-        t = sample_t(b, generator=generator, eps=self.t_eps).to(dev)  # [B]
-        canvas_info = clean[:, p:]
+        # 3. corrupt the chosen canvases
+        canvas_info = batch_info(batch, c)[:, p:]
         chosen_tok = chosen.repeat_interleave(c, dim=1) & canvas_info.valid  # [B, N*C]
         if self.decode == "one":  # decode only the chosen canvas: gather its C tokens per row
             k = chosen.float().argmax(-1)  # [B]
@@ -132,7 +134,7 @@ class DiffusionObjective:
         xt = self.noise.q_sample(x0, t, generator=generator, where=sel)
         noisy = TokenInfo(info.positions, info.blocks, torch.ones_like(sel), info.valid)
 
-        # 3. decoder, optionally self-conditioned on a detached first pass (p per example)
+        # 4. decoder, optionally self-conditioned on a detached first pass (p per example)
         selfcond = None
         if model.self_conditioning is not None and self.selfcond_prob > 0:
             use = torch.rand(b, generator=generator).to(dev) < self.selfcond_prob

@@ -66,6 +66,8 @@ class DiffusionConfig:
     selfcond_prob: float = 0.5  # chance per example of the no-grad first pass
     ar_loss_weight: float = 1.0  # encoder next-token loss beside the diffusion loss; 0 = off
     loss_chunk_tokens: int = 1024  # tokens per chunked-CE slice: peak fp32 logits = this x vocab x 4 B
+    decode: Literal["one", "all"] = "one"  # canvases decoded per example: one (adapter) or all (Lite)
+    mask_token_id: int | None = None  # absorbing process only: the mask token (None: the tokenizer's)
 
     def __post_init__(self):
         _positive(self, "canvas_size", "num_canvases", "loss_chunk_tokens")
@@ -77,6 +79,7 @@ class DiffusionConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     task: str = "sudoku"
+    tokenizer: str | None = None  # for models trained from scratch: "digits" or a tokenizer.json path
     path: str | None = None  # None: the task's default source (generator, shared data set)
     prompt_len: int = 256
     batch_size: int = 8  # per optimiser micro-step and rank

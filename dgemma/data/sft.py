@@ -1,0 +1,139 @@
+"""Supervised fine-tuning data: records -> token ids -> fixed-shape batches, in a resumable order.
+
+A record is a dict with ``prompt``, ``response`` and optionally ``system`` (what ``dgemma
+prepare`` writes as JSONL). The prompt is rendered in the chat format, tokenised and truncated
+from the left to ``prompt_len`` (the end of a prompt — the question and the model-turn marker —
+matters most; BOS is kept); the response plus end-of-turn is cut into canvases.
+
+Batches have fixed shapes (``[B, prompt_len]`` and ``[B, num_canvases * canvas_size]``) so
+compiled kernels and FlexAttention block masks never see a new shape.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dgemma.data.chunker import Canvases, chunk_response, collate_canvases
+from dgemma.errors import DGemmaError
+
+
+@dataclass
+class Example:
+    prompt_ids: list[int]
+    canvases: Canvases
+    truncated: bool
+    record: dict
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Read a JSONL file; a broken line is an error naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DGemmaError(f"data file not found: {path}")
+    rows = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DGemmaError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
+    return rows
+
+
+def encode_prompt(tokenizer, record: dict, prompt_len: int) -> tuple[list[int], bool]:
+    """Chat-formatted, tokenised prompt, left-truncated to ``prompt_len`` keeping BOS first."""
+    text = tokenizer.chat_prompt(record["prompt"], system=record.get("system"))
+    ids = tokenizer.encode(text, add_bos=True)
+    if len(ids) <= prompt_len:
+        return ids, False
+    return [ids[0]] + ids[len(ids) - prompt_len + 1:], True
+
+
+def encode_example(tokenizer, record: dict, *, prompt_len: int, num_canvases: int, canvas_size: int) -> Example:
+    for key in ("prompt", "response"):
+        if not isinstance(record.get(key), str):
+            raise DGemmaError(f"record {record.get('id', '?')!r} has no string field {key!r}")
+    prompt, truncated = encode_prompt(tokenizer, record, prompt_len)
+    response = tokenizer.encode(record["response"]) + [tokenizer.end_of_turn_id]
+    canvases = chunk_response(response, num_canvases=num_canvases, canvas_size=canvas_size,
+                              eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    return Example(prompt, canvases, truncated, record)
+
+
+def collate(examples: list[Example], *, prompt_len: int, pad_id: int) -> dict[str, Tensor]:
+    """Right-pad prompts to ``prompt_len`` and stack canvases into one batch dict."""
+    b = len(examples)
+    prompt_ids = torch.full((b, prompt_len), pad_id, dtype=torch.long)
+    prompt_valid = torch.zeros(b, prompt_len, dtype=torch.bool)
+    for i, ex in enumerate(examples):
+        prompt_ids[i, : len(ex.prompt_ids)] = torch.tensor(ex.prompt_ids)
+        prompt_valid[i, : len(ex.prompt_ids)] = True
+    c = collate_canvases([ex.canvases for ex in examples])
+    return {"prompt_ids": prompt_ids, "prompt_valid": prompt_valid, "canvas_ids": c["tokens"],
+            "canvas_valid": c["valid"], "canvas_mask": c["canvas_mask"]}
+
+
+class DataOrder:
+    """A seeded, shuffled, resumable order over ``n`` examples, sharded across ranks.
+
+    Epoch ``e`` is ``randperm(n)`` from a generator seeded by ``(seed, e)``; the state is just
+    ``(epoch, offset)``, saved in checkpoints so a resumed run continues the exact order. Each
+    global batch takes ``batch * world`` consecutive indices; rank ``r`` gets its slice.
+    """
+
+    def __init__(self, n: int, *, seed: int, rank: int = 0, world: int = 1):
+        if n == 0:
+            raise DGemmaError("the training set is empty")
+        self.n, self.seed, self.rank, self.world = n, seed, rank, world
+        self.epoch, self.offset = 0, 0
+        self._perm: list[int] | None = None
+
+    def _permutation(self) -> list[int]:
+        if self._perm is None:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._perm = torch.randperm(self.n, generator=g).tolist()
+        return self._perm
+
+    def next_batch(self, batch: int) -> list[int]:
+        """Indices for this rank's share of the next global batch (wraps into the next epoch)."""
+        out = []
+        for _ in range(batch * self.world):
+            if self.offset == self.n:
+                self.epoch, self.offset, self._perm = self.epoch + 1, 0, None
+            out.append(self._permutation()[self.offset])
+            self.offset += 1
+        return out[self.rank * batch:(self.rank + 1) * batch]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset, "n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n or state["seed"] != self.seed:
+            raise DGemmaError(f"data order was saved for n={state['n']} seed={state['seed']}, "
+                              f"this run has n={self.n} seed={self.seed}: the data set or seed changed")
+        self.epoch, self.offset, self._perm = state["epoch"], state["offset"], None
+
+
+class SFTData:
+    """A pre-tokenised JSONL data set with :meth:`batch` drawing from a :class:`DataOrder`."""
+
+    def __init__(self, path: str | Path, tokenizer, *, prompt_len: int, num_canvases: int, canvas_size: int,
+                 limit: int | None = None):
+        records = read_jsonl(path)[:limit]
+        self.prompt_len, self.pad_id = prompt_len, tokenizer.pad_id
+        self.examples = [encode_example(tokenizer, r, prompt_len=prompt_len, num_canvases=num_canvases,
+                                        canvas_size=canvas_size) for r in records]
+        self.num_truncated = sum(ex.truncated for ex in self.examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def batch(self, indices: list[int]) -> dict[str, Tensor]:
+        return collate([self.examples[i] for i in indices], prompt_len=self.prompt_len, pad_id=self.pad_id)

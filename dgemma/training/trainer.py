@@ -1,0 +1,485 @@
+"""The training loop shared by the adapter recipes and Lite pretraining (SPEC §6-7).
+
+The heart is :func:`train_step`: one optimiser step over ``grad_accum`` micro-batches whose
+losses are normalised by the number of valid tokens in the *whole* step (all micro-batches, all
+ranks), so accumulation and data parallelism change nothing but speed. Everything random in a
+step draws from generators seeded by ``(seed, step, micro-step, rank)``; the data order is a
+seeded permutation with a stored offset. Together with checkpoints that hold the optimiser,
+scheduler and data-order state, a run resumed from any checkpoint ends bitwise identical to an
+uninterrupted one (at a fixed thread count, which the checkpoint records).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dgemma.diffusion.corruption import build_noise
+from dgemma.diffusion.objective import DiffusionObjective, LossTerms
+from dgemma.diffusion.schedules import get_schedule
+from dgemma.errors import DGemmaError
+from dgemma.training import checkpoint as ckpt
+from dgemma.training.config import Config, config_to_dict, model_overrides, save_config
+
+
+# ------------------------------------------------------------------------------- randomness
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (stable across processes and Python versions)."""
+    digest = hashlib.sha256("/".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def step_generator(seed: int, step: int, micro: int, rank: int, world: int, grad_accum: int) -> torch.Generator:
+    """The generator of one micro-batch. Its index counts micro-batches across ranks, so a
+    2-rank run and a 1-rank run with twice the accumulation draw exactly the same numbers."""
+    index = micro * world + rank
+    return torch.Generator().manual_seed(derive_seed(seed, step, index, grad_accum * world))
+
+
+# -------------------------------------------------------------------------------- schedule
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup from 0 to 1 over ``warmup`` steps, then cosine down to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(params, cfg) -> torch.optim.Optimizer:
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay)
+    if cfg.name == "adafactor":
+        return torch.optim.Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise DGemmaError(f"unknown optimiser {cfg.name!r}")
+
+
+# ------------------------------------------------------------------------------ the module
+class TrainModule(nn.Module):
+    """The model and its objective as one module, so DDP / FSDP2 see every use of a parameter
+    (the chunked loss reads the tied embedding outside the network's own forward)."""
+
+    def __init__(self, model: nn.Module, objective: DiffusionObjective):
+        super().__init__()
+        self.model = model
+        self.objective = objective
+
+    def forward(self, batch: dict, generator: torch.Generator) -> dict:
+        terms = self.objective(self.model, batch, generator)
+        return vars(terms)
+
+
+def count_tokens(objective: DiffusionObjective, batch: dict) -> tuple[int, int]:
+    """Valid tokens of the diffusion and AR losses in ``batch``, known before any random draw."""
+    cv, cm = batch["canvas_valid"].bool(), batch["canvas_mask"].bool()
+    if objective.decode == "one":  # every position of the chosen canvas is valid (EOS filled)
+        d = int(cm.any(-1).sum()) * objective.canvas_size
+    else:
+        d = int(cv.sum())
+    valid = torch.cat([batch["prompt_valid"].bool(), cv], 1)
+    a = int(valid.sum()) - int(valid.any(-1).sum()) if objective.ar_loss_weight else 0
+    return d, a
+
+
+def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, seed: int, rank: int, world: int,
+               clip_norm: float | None, ar_weight: float, objective: DiffusionObjective,
+               autocast=nullcontext) -> dict:
+    """One optimiser step over micro-batches. Returns the step's (global) loss terms.
+
+    Losses are sums divided by the step's global token counts, times ``world`` because DDP
+    averages gradients over ranks: the gradient is exactly that of one big batch.
+    """
+    counts = torch.tensor([count_tokens(objective, b) for b in batches], dtype=torch.float64).sum(0)
+    if world > 1:
+        dist.all_reduce(counts)
+    d_norm, a_norm = counts.tolist()
+    logged = torch.zeros(2, dtype=torch.float64)
+    optimizer.zero_grad(set_to_none=True)
+    for micro, batch in enumerate(batches):
+        g = step_generator(seed, step, micro, rank, world, len(batches))
+        torch.manual_seed(g.initial_seed())  # dropout (LoRA) draws from the global generator
+        sync = micro == len(batches) - 1 or not hasattr(module, "no_sync")
+        with (nullcontext() if sync else module.no_sync()), autocast():
+            terms = LossTerms(**module(batch, g))
+            loss = terms.objective(d_norm, a_norm, ar_weight) * world
+        loss.backward()
+        logged += torch.tensor([terms.diffusion_sum.item(), terms.ar_sum.item()], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(logged)
+    params = [p for p in module.parameters() if p.grad is not None]
+    if clip_norm:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.zeros(())
+    d_loss, a_loss = logged[0].item() / max(d_norm, 1), logged[1].item() / max(a_norm, 1)
+    out = {"diffusion_loss": d_loss, "ar_loss": a_loss, "loss": d_loss + ar_weight * a_loss,
+           "grad_norm": float(grad_norm), "tokens": d_norm + a_norm}
+    out["finite"] = math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])
+    if out["finite"]:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+# ------------------------------------------------------------------------------- building
+def build_tokenizer(cfg: Config):
+    """The tokenizer of a from-scratch model: a character alphabet by name, or a tokenizer file."""
+    from dgemma.data.char_tokenizer import ALPHABETS, CharTokenizer
+
+    spec = cfg.data.tokenizer
+    if spec is None:
+        raise DGemmaError("a model trained from scratch needs data.tokenizer (e.g. 'digits' or a tokenizer.json)")
+    if spec in ALPHABETS:
+        return CharTokenizer.named(spec)
+    from dgemma.data.tokenizers import load_tokenizer
+
+    return load_tokenizer(spec)
+
+
+def build_model(cfg: Config):
+    """``(model, tokenizer)`` from ``cfg.init.base`` (pretrained) or ``cfg.model`` (random init)."""
+    if cfg.init.base:
+        from dgemma.models.weights import load_pretrained
+
+        model, tokenizer = load_pretrained(cfg.init.base, dtype=torch.float32, **model_overrides(cfg))
+    else:
+        from dgemma.models.transformer import DiffusionGemma
+
+        torch.manual_seed(cfg.init.seed)
+        model, tokenizer = DiffusionGemma(cfg.model), build_tokenizer(cfg)
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise DGemmaError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                              f"{cfg.model.vocab_size}")
+    model.config.gradient_checkpointing = cfg.train.activation_checkpointing
+    if cfg.lora.enabled:
+        from dgemma.training.lora import apply_lora
+
+        apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                   target_modules=cfg.lora.target_modules)
+    return model, tokenizer
+
+
+def build_noise_for(cfg: Config, model, tokenizer):
+    d = cfg.diffusion
+    mask = d.mask_token_id if d.mask_token_id is not None else getattr(tokenizer, "mask_id", None)
+    if d.process == "absorbing" and mask is None:
+        raise DGemmaError("absorbing noise needs diffusion.mask_token_id (this tokenizer has no mask token)")
+    args = {"uniform": {"vocab_size": model.config.vocab_size}, "absorbing": {"mask_token_id": mask}}
+    return build_noise(d.process, get_schedule(d.schedule), **args[d.process])
+
+
+def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
+    d = cfg.diffusion
+    return DiffusionObjective(noise=build_noise_for(cfg, model, tokenizer), canvas_size=d.canvas_size, t_eps=d.t_eps, selfcond_prob=d.selfcond_prob,
+                              ar_loss_weight=d.ar_loss_weight, decode=d.decode, chunk_tokens=d.loss_chunk_tokens)
+
+
+def build_train_data(cfg: Config, tokenizer):
+    from dgemma.data.sft import SFTData
+
+    if cfg.data.task == "sudoku" and not cfg.data.path:
+        from dgemma.data.sudoku_stream import SudokuStream
+
+        return SudokuStream(tokenizer, prompt_len=cfg.data.prompt_len, num_canvases=cfg.diffusion.num_canvases,
+                            canvas_size=cfg.diffusion.canvas_size, seed=cfg.data.seed)
+    if not cfg.data.path:
+        raise DGemmaError("data.path is not set: run `dgemma prepare ...` and pass --cfg.data.path=DIR")
+    path = Path(cfg.data.path)
+    path = path / "train.jsonl" if path.is_dir() else path
+    return SFTData(path, tokenizer, prompt_len=cfg.data.prompt_len, num_canvases=cfg.diffusion.num_canvases,
+                   canvas_size=cfg.diffusion.canvas_size)
+
+
+# ------------------------------------------------------------------------------- memory
+def estimate_memory(model: nn.Module, cfg: Config) -> dict[str, int]:
+    """Peak bytes by term, before the first step (coarse, deliberately on the high side)."""
+    mc = model.config
+    params = {id(p): p for p in model.parameters()}.values()
+    n_all = sum(p.numel() for p in params)
+    n_train = sum(p.numel() for p in params if p.requires_grad)
+    act_bytes = 2 if _use_bf16(cfg) else 4
+    b = cfg.data.batch_size
+    seq = cfg.data.prompt_len + cfg.diffusion.num_canvases * cfg.diffusion.canvas_size
+    dec = cfg.diffusion.canvas_size * (1 if cfg.diffusion.decode == "one" else cfg.diffusion.num_canvases)
+    tokens = b * (seq + dec)
+    per_token_layer = 10 * mc.hidden_size + 3 * mc.intermediate_size + 4 * mc.num_attention_heads * mc.head_dim
+    if cfg.train.activation_checkpointing:
+        per_token_layer = mc.hidden_size
+    scores = 0
+    if mc.attn_implementation == "eager":
+        scores = b * mc.num_attention_heads * (seq + dec) * seq * 4 * (1 if cfg.train.activation_checkpointing
+                                                                        else mc.num_hidden_layers)
+    opt = {"adamw": 2 * n_train * 4, "adafactor": n_train * 4 // 64}[cfg.optim.name]
+    return {
+        "weights": n_all * 4,
+        "gradients": n_train * 4,
+        "optimizer": opt,
+        "activations": tokens * per_token_layer * mc.num_hidden_layers * act_bytes,
+        "attention scores": scores,
+        "loss chunks": 3 * cfg.diffusion.loss_chunk_tokens * mc.vocab_size * 4,
+    }
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_memory(model, cfg: Config, device: torch.device, log) -> dict:
+    try:
+        terms = estimate_memory(model, cfg)
+        avail = available_memory(device)
+    except Exception as e:  # noqa: BLE001 - an estimate must never block a run silently
+        log(f"memory estimate failed ({type(e).__name__}: {e}); continuing without a pre-check")
+        return {}
+    total = sum(terms.values())
+    top = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
+    desc = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in top)
+    if total > 0.95 * avail:
+        raise DGemmaError(f"this run needs about {total / 2**30:.2f} GiB but {avail / 2**30:.2f} GiB is free on "
+                          f"{device}; largest terms: {desc}. Lower data.batch_size, enable "
+                          f"train.activation_checkpointing, or use LoRA")
+    log(f"memory estimate {total / 2**30:.2f} GiB of {avail / 2**30:.2f} GiB free ({desc})")
+    return {"estimate_bytes": total, "available_bytes": avail}
+
+
+def _use_bf16(cfg: Config) -> bool:
+    if cfg.train.dtype == "bfloat16":
+        return True
+    return cfg.train.dtype == "auto" and torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------------- logging
+class MetricsLog:
+    """``metrics.jsonl`` plus TensorBoard event files in the workdir (rank 0 only)."""
+
+    def __init__(self, workdir: Path, enabled: bool):
+        self.enabled = enabled
+        self.tb = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(workdir / "tb"))
+            self.jsonl = (workdir / "metrics.jsonl").open("a")
+
+    def scalars(self, step: int, values: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.tb.add_scalar(f"{prefix}/{k}", v, step)
+        self.jsonl.write(json.dumps({"step": step, "split": prefix, **values}) + "\n")
+        self.jsonl.flush()
+
+    def event(self, step: int, text: str) -> None:
+        if self.enabled:
+            self.jsonl.write(json.dumps({"step": step, "event": text}) + "\n")
+            self.jsonl.flush()
+            self.tb.add_text("events", text, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+            self.jsonl.close()
+
+
+# ------------------------------------------------------------------------------- the run
+@dataclass
+class Trainer:
+    cfg: Config
+    hooks: list = field(default_factory=list)  # callables (trainer, step) -> dict of eval metrics
+
+    def __post_init__(self):
+        cfg = self.cfg
+        if not cfg.workdir:
+            raise DGemmaError("no workdir: pass --cfg.workdir=DIR")
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.workdir = Path(cfg.workdir)
+        if self.rank == 0:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.workdir)
+        self.log = MetricsLog(self.workdir, self.rank == 0)
+        self.model, self.tokenizer = build_model(cfg)
+        self.model.to(self.device)
+        self.objective = build_objective(cfg, self.model, self.tokenizer)
+        self.data = build_train_data(cfg, self.tokenizer)
+        from dgemma.data.sft import DataOrder
+
+        self.order = DataOrder(len(self.data), seed=cfg.data.seed, rank=self.rank, world=self.world)
+        self.memory = check_memory(self.model, cfg, self.device, self.say)
+        self.module = self._wrap(TrainModule(self.model, self.objective))
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        if not trainable:
+            raise DGemmaError("nothing to train: every parameter is frozen")
+        self.optimizer = build_optimizer(trainable, cfg.optim)
+        o = cfg.optim
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, warmup=o.warmup_steps, total=cfg.train.steps,
+                                                min_ratio=o.min_lr_ratio))
+        self.step = 0
+        self.nan_streak = 0
+        if cfg.train.resume and (latest := ckpt.latest_checkpoint(self.workdir)) is not None:
+            self.restore(latest)
+            self.say(f"resumed from {latest}")
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[dgemma] {msg}", flush=True)
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        if self.world == 1:
+            return module
+        if self.cfg.train.distributed == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.model.model.layers:
+                fully_shard(layer)
+            return fully_shard(module)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(module, device_ids=ids)
+
+    def autocast(self):
+        if _use_bf16(self.cfg):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    # -- state ----------------------------------------------------------------------------------
+    def model_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+        if self.cfg.lora.enabled:  # the frozen base is reloaded from init.base on resume
+            from dgemma.training.lora import is_adapter_param
+
+            state = {k: v for k, v in state.items() if is_adapter_param(k)}
+        return state
+
+    def save(self) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        model_state = self.model_state()
+        optim_state = get_optimizer_state_dict(self.module, self.optimizer,
+                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return
+        extra = {"scheduler": self.scheduler.state_dict(), "order": self.order.state_dict(),
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                 "nan_streak": self.nan_streak}
+        meta = {"config": config_to_dict(self.cfg), "threads": torch.get_num_threads(), "world": self.world,
+                "lora": self.cfg.lora.enabled}
+        path = ckpt.save_checkpoint(self.workdir, self.step, model_state=model_state, optim_state=optim_state,
+                                    extra_state=extra, metadata=meta, keep_last=self.cfg.train.keep_last)
+        self.log.event(self.step, f"checkpoint {path.name}")
+
+    def restore(self, path: Path, *, weights_only: bool = False) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        state = ckpt.load_checkpoint(path)
+        ckpt.check_compatible(state["meta"], self.model.config, source=path)
+        opts = StateDictOptions(full_state_dict=True, strict=not self.cfg.lora.enabled)
+        set_model_state_dict(self.module, {f"model.{k}": v for k, v in state["model"].items()}, options=opts)
+        set_optimizer_state_dict(self.module, self.optimizer, state["optim"],
+                                 options=StateDictOptions(full_state_dict=True))
+        if weights_only:
+            return
+        extra = state["extra"]
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.order.load_state_dict(extra["order"])
+        torch.set_rng_state(extra["rng"]["torch"])
+        random.setstate(extra["rng"]["python"])
+        self.nan_streak = extra["nan_streak"]
+        self.step = state["step"]
+        if (saved := state["meta"].get("threads")) not in (None, torch.get_num_threads()):
+            self.say(f"warning: checkpoint was written with {saved} threads, this run uses "
+                     f"{torch.get_num_threads()}: results will not be bitwise identical")
+
+    def rollback(self) -> None:
+        latest = ckpt.latest_checkpoint(self.workdir)
+        if latest is None:
+            raise DGemmaError(f"{self.nan_streak} consecutive non-finite steps at step {self.step} and no "
+                              f"checkpoint to roll back to")
+        msg = (f"rollback: {self.nan_streak} consecutive non-finite steps at step {self.step}; restored weights "
+               f"and optimiser from {latest.name}, continuing with the next batches")
+        self.restore(latest, weights_only=True)
+        self.nan_streak = 0
+        self.say(msg)
+        self.log.event(self.step, msg)
+
+    # -- loop -----------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        bar = tqdm(total=cfg.train.steps, initial=self.step, disable=self.rank != 0, unit="step",
+                   dynamic_ncols=True, desc="train")
+        last = {}
+        while self.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            batches = [{k: v.to(self.device) for k, v in self.data.batch(self.order.next_batch(cfg.data.batch_size)).items()}
+                       for _ in range(cfg.train.grad_accum)]
+            self.module.train()
+            out = train_step(self.module, batches, self.optimizer, step=self.step, seed=cfg.train.seed,
+                             rank=self.rank, world=self.world, clip_norm=cfg.optim.clip_norm,
+                             ar_weight=cfg.diffusion.ar_loss_weight, objective=self.objective,
+                             autocast=self.autocast)
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            self.step += 1
+            dt = time.perf_counter() - t0
+            out.update(lr=lr, tokens_per_s=out["tokens"] / dt, seconds=dt)
+            if self.device.type == "cuda":
+                out["memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            self.nan_streak = 0 if out["finite"] else self.nan_streak + 1
+            if not out["finite"]:
+                self.log.event(self.step, f"non-finite step (loss {out['loss']}, grad norm {out['grad_norm']}): "
+                                          f"update skipped")
+            if self.nan_streak >= cfg.train.nan_rollback_after:
+                self.rollback()
+            if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
+                self.log.scalars(self.step, {k: v for k, v in out.items() if k != "finite"})
+            bar.set_postfix(loss=f"{out['loss']:.4f}", tok_s=f"{out['tokens_per_s']:.0f}", refresh=False)
+            bar.update(1)
+            if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
+                self.save()
+            if self.hooks and ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
+                               or self.step == cfg.train.steps):
+                for hook in self.hooks:
+                    self.log.scalars(self.step, hook(self, self.step), prefix="eval")
+            last = out
+        bar.close()
+        self.log.close()
+        return last
+
+
+def train(cfg: Config, hooks: list | None = None) -> dict:
+    trainer = Trainer(cfg, hooks=hooks or [])
+    try:
+        return trainer.run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
