@@ -1,0 +1,75 @@
+"""Open a training run's checkpoint for evaluation, export, solving or serving.
+
+A run is its workdir: ``config.json`` (the resolved config) plus ``checkpoints/step_*/``. A
+LoRA checkpoint holds only the adapter (and the new diffusion modules); the frozen base is
+rebuilt from ``init.base``, exactly as the trainer does on resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dgemma.errors import DGemmaError
+from dgemma.training import checkpoint as ckpt
+from dgemma.training.config import Config, apply_overrides, load_config
+
+
+@dataclass
+class Run:
+    cfg: Config
+    model: torch.nn.Module
+    tokenizer: object
+    step: int
+    path: Path  # the checkpoint directory
+
+    def noise(self):
+        from dgemma.training.trainer import build_noise_for
+
+        return build_noise_for(self.cfg, self.model, self.tokenizer)
+
+
+def find_checkpoint(workdir: str | Path, step: int | None = None) -> Path:
+    workdir = Path(workdir)
+    if not workdir.is_dir():
+        raise DGemmaError(f"workdir not found: {workdir}")
+    if step is None:
+        latest = ckpt.latest_checkpoint(workdir)
+        if latest is None:
+            raise DGemmaError(f"no complete checkpoint in {workdir}/checkpoints")
+        return latest
+    steps = dict(ckpt.list_checkpoints(workdir))
+    if step not in steps:
+        raise DGemmaError(f"no complete checkpoint for step {step} in {workdir}; available: {sorted(steps)}")
+    return steps[step]
+
+
+def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[str] | None = None,
+             device: str | torch.device | None = None) -> Run:
+    """The run's model at ``step`` (latest complete if None), in eval mode.
+
+    ``overrides`` (``--cfg.a.b=v``) apply to the saved config, e.g. a different attention
+    back-end or eval settings; architecture changes are refused by the checkpoint check.
+    """
+    from dgemma.training.trainer import build_model
+
+    workdir = Path(workdir)
+    cfg_path = workdir / "config.json"
+    if not cfg_path.is_file():
+        raise DGemmaError(f"{workdir} has no config.json: is it a dgemma training workdir?")
+    cfg = load_config(cfg_path)
+    if overrides:
+        cfg = apply_overrides(cfg, overrides)
+    path = find_checkpoint(workdir, step)
+    state = ckpt.load_checkpoint(path)
+    model, tokenizer = build_model(cfg)
+    ckpt.check_compatible(state["meta"], model.config, source=path)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if unexpected:
+        raise DGemmaError(f"{path} holds weights this model does not have: {unexpected[:5]}")
+    if not cfg.lora.enabled and missing:
+        raise DGemmaError(f"{path} lacks weights for {missing[:5]}")
+    device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return Run(cfg, model.to(device).eval(), tokenizer, state["step"], path)
