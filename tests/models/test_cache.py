@@ -46,7 +46,7 @@ def cached_decode(model, prompt, pvalid, clean, noisy, selfcond=None, t=None):
 
 
 @pytest.mark.parametrize("encoder", ["causal", "block"])
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "flex"])
 @pytest.mark.parametrize("conditioning", [False, True])
 def test_cached_equals_single_shot(encoder, attn, conditioning):
     model = tiny(encoder, attn, self_conditioning=conditioning, time_conditioning=conditioning)
@@ -111,3 +111,18 @@ def test_truncate_and_select():
     torch.testing.assert_close(a[[2, 0]], b, rtol=0, atol=0)
     with pytest.raises(ValueError):
         cache.truncate(99)
+
+
+@pytest.mark.parametrize("encoder", ["causal", "block"])
+def test_backends_agree_on_diffusion_masks(encoder):
+    """eager (the reference), sdpa and flex on the single-shot [prompt | clean | noisy] layout."""
+    g = torch.Generator().manual_seed(2)
+    pvalid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]).bool()
+    ids = torch.randint(0, V, (2, 5 + 2 * N * C), generator=g)
+    info = single_shot_info(pvalid, torch.ones(2, N * C, dtype=torch.bool), C)
+    outs = {}
+    for attn in ("eager", "sdpa", "flex"):
+        with torch.no_grad():
+            outs[attn] = tiny(encoder, attn)(ids, info=info)
+    torch.testing.assert_close(outs["sdpa"], outs["eager"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(outs["flex"], outs["eager"], rtol=0, atol=1e-12)
