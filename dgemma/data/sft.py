@@ -48,12 +48,14 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def encode_prompt(tokenizer, record: dict, prompt_len: int) -> tuple[list[int], bool]:
-    """Chat-formatted, tokenised prompt, left-truncated to ``prompt_len`` keeping BOS first."""
-    text = tokenizer.chat_prompt(record["prompt"], system=record.get("system"))
-    ids = tokenizer.encode(text, add_bos=True)
-    if len(ids) <= prompt_len:
-        return ids, False
-    return [ids[0]] + ids[len(ids) - prompt_len + 1:], True
+    """Chat-formatted, tokenised prompt, left-truncated to ``prompt_len`` keeping BOS first.
+
+    The text is :func:`dgemma.data.chat.render_prompt`'s: a pre-rendered ``prompt_text``, a chat
+    ``history``, or one user turn ``prompt`` (+ ``system``).
+    """
+    from dgemma.data.chat import encode_prompt_text, render_prompt
+
+    return encode_prompt_text(tokenizer, render_prompt(tokenizer, record), prompt_len)
 
 
 def encode_example(tokenizer, record: dict, *, prompt_len: int, num_canvases: int, canvas_size: int) -> Example:
@@ -93,12 +95,13 @@ class DataOrder:
             raise DGemmaError("the training set is empty")
         self.n, self.seed, self.rank, self.world = n, seed, rank, world
         self.epoch, self.offset = 0, 0
-        self._perm: list[int] | None = None
+        self._perm: Tensor | None = None
 
-    def _permutation(self) -> list[int]:
+    def _permutation(self) -> Tensor:
+        """Kept as a tensor: as a list, a 10M-example stream's order costs ~700 MB and a second."""
         if self._perm is None:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            self._perm = torch.randperm(self.n, generator=g).tolist()
+            self._perm = torch.randperm(self.n, generator=g)
         return self._perm
 
     def next_batch(self, batch: int) -> list[int]:
@@ -107,7 +110,7 @@ class DataOrder:
         for _ in range(batch * self.world):
             if self.offset == self.n:
                 self.epoch, self.offset, self._perm = self.epoch + 1, 0, None
-            out.append(self._permutation()[self.offset])
+            out.append(int(self._permutation()[self.offset]))
             self.offset += 1
         return out[self.rank * batch:(self.rank + 1) * batch]
 
@@ -124,9 +127,9 @@ class DataOrder:
 class SFTData:
     """A pre-tokenised JSONL data set with :meth:`batch` drawing from a :class:`DataOrder`."""
 
-    def __init__(self, path: str | Path, tokenizer, *, prompt_len: int, num_canvases: int, canvas_size: int,
-                 limit: int | None = None):
-        records = read_jsonl(path)[:limit]
+    def __init__(self, path: str | Path | None, tokenizer, *, prompt_len: int, num_canvases: int, canvas_size: int,
+                 limit: int | None = None, records: list[dict] | None = None):
+        records = (read_jsonl(path) if records is None else records)[:limit]
         self.prompt_len, self.pad_id = prompt_len, tokenizer.pad_id
         self.examples = [encode_example(tokenizer, r, prompt_len=prompt_len, num_canvases=num_canvases,
                                         canvas_size=canvas_size) for r in records]

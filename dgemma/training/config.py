@@ -80,6 +80,8 @@ class DiffusionConfig:
 class DataConfig:
     task: str = "sudoku"
     tokenizer: str | None = None  # for models trained from scratch: "digits" or a tokenizer.json path
+    split: str = "train"  # chat task from a Hugging Face dataset: the split to train on
+    supervise: Literal["last", "all"] = "last"  # chat task: the final assistant turn, or every one
     path: str | None = None  # None: the task's default source (generator, shared data set)
     prompt_len: int = 256
     batch_size: int = 8  # per optimiser micro-step and rank
@@ -149,6 +151,9 @@ class EvalConfig:
     max_canvases: int | None = None  # None: the data's num_canvases
     num_examples: int = 256
     seed: int = 0
+    path: str | None = None  # chat/completion tasks: the eval JSONL (None: data.path's eval.jsonl sibling)
+    regex: str | None = None  # generic tasks: answer extractor with a named group 'answer'
+    normalizer: str = "default"  # generic tasks: exact-match normaliser (default | none | strip | lower)
 
     def __post_init__(self):
         _positive(self, "batch_size", "max_canvases", "num_examples")

@@ -186,19 +186,9 @@ def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
 
 
 def build_train_data(cfg: Config, tokenizer):
-    from dgemma.data.sft import SFTData
+    from dgemma.data.build import build_train_data as build
 
-    if cfg.data.task == "sudoku" and not cfg.data.path:
-        from dgemma.data.sudoku_stream import SudokuStream
-
-        return SudokuStream(tokenizer, prompt_len=cfg.data.prompt_len, num_canvases=cfg.diffusion.num_canvases,
-                            canvas_size=cfg.diffusion.canvas_size, seed=cfg.data.seed)
-    if not cfg.data.path:
-        raise DGemmaError("data.path is not set: run `dgemma prepare ...` and pass --cfg.data.path=DIR")
-    path = Path(cfg.data.path)
-    path = path / "train.jsonl" if path.is_dir() else path
-    return SFTData(path, tokenizer, prompt_len=cfg.data.prompt_len, num_canvases=cfg.diffusion.num_canvases,
-                   canvas_size=cfg.diffusion.canvas_size)
+    return build(cfg, tokenizer)
 
 
 # ------------------------------------------------------------------------------- memory
