@@ -19,6 +19,19 @@ def _shape(cfg) -> dict:
             "canvas_size": cfg.diffusion.canvas_size}
 
 
+def hint_fn(cfg, tokenizer):
+    """The infilling hints of a task, if the config asks for them (Sudoku: pinned clues)."""
+    if not cfg.data.pin_clues:
+        return None
+    if cfg.data.task != "sudoku":
+        raise DGemmaError(f"data.pin_clues is for the sudoku task, not {cfg.data.task!r}")
+    from functools import partial
+
+    from dgemma.data.sudoku import clue_hint
+
+    return partial(clue_hint, tokenizer=tokenizer)
+
+
 def _prepared(cfg, tokenizer):
     """A directory written by ``dgemma prepare`` (``train.jsonl``) or one JSONL file."""
     from dgemma.data.sft import SFTData
@@ -27,7 +40,8 @@ def _prepared(cfg, tokenizer):
         raise DGemmaError(f"data.path is not set for task {cfg.data.task!r}: run `dgemma prepare "
                           f"{cfg.data.task} --out DIR` and pass --cfg.data.path=DIR")
     path = Path(cfg.data.path)
-    return SFTData(path / "train.jsonl" if path.is_dir() else path, tokenizer, **_shape(cfg))
+    return SFTData(path / "train.jsonl" if path.is_dir() else path, tokenizer, hint_fn=hint_fn(cfg, tokenizer),
+                   **_shape(cfg))
 
 
 def _sudoku(cfg, tokenizer):
@@ -35,7 +49,7 @@ def _sudoku(cfg, tokenizer):
         return _prepared(cfg, tokenizer)
     from dgemma.data.sudoku_stream import SudokuStream
 
-    return SudokuStream(tokenizer, seed=cfg.data.seed, **_shape(cfg))
+    return SudokuStream(tokenizer, seed=cfg.data.seed, hint_fn=hint_fn(cfg, tokenizer), **_shape(cfg))
 
 
 def _records(cfg, tokenizer, records, problems, source):

@@ -28,6 +28,7 @@ class Example:
     canvases: Canvases
     truncated: bool
     record: dict
+    hint: list[int] | None = None  # per canvas position: a pinned token id, or -1 (infilling)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -58,7 +59,9 @@ def encode_prompt(tokenizer, record: dict, prompt_len: int) -> tuple[list[int], 
     return encode_prompt_text(tokenizer, render_prompt(tokenizer, record), prompt_len)
 
 
-def encode_example(tokenizer, record: dict, *, prompt_len: int, num_canvases: int, canvas_size: int) -> Example:
+def encode_example(tokenizer, record: dict, *, prompt_len: int, num_canvases: int, canvas_size: int,
+                   hint_fn=None) -> Example:
+    """``hint_fn(record, response_ids) -> list[int] | None`` pins known response tokens (``-1`` = free)."""
     for key in ("prompt", "response"):
         if not isinstance(record.get(key), str):
             raise DGemmaError(f"record {record.get('id', '?')!r} has no string field {key!r}")
@@ -66,7 +69,11 @@ def encode_example(tokenizer, record: dict, *, prompt_len: int, num_canvases: in
     response = tokenizer.encode(record["response"]) + [tokenizer.end_of_turn_id]
     canvases = chunk_response(response, num_canvases=num_canvases, canvas_size=canvas_size,
                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-    return Example(prompt, canvases, truncated, record)
+    hint = None
+    if hint_fn is not None and (pins := hint_fn(record, response)) is not None:
+        width = num_canvases * canvas_size
+        hint = (list(pins) + [-1] * width)[:width]
+    return Example(prompt, canvases, truncated, record, hint)
 
 
 def collate(examples: list[Example], *, prompt_len: int, pad_id: int) -> dict[str, Tensor]:
@@ -78,8 +85,12 @@ def collate(examples: list[Example], *, prompt_len: int, pad_id: int) -> dict[st
         prompt_ids[i, : len(ex.prompt_ids)] = torch.tensor(ex.prompt_ids)
         prompt_valid[i, : len(ex.prompt_ids)] = True
     c = collate_canvases([ex.canvases for ex in examples])
-    return {"prompt_ids": prompt_ids, "prompt_valid": prompt_valid, "canvas_ids": c["tokens"],
-            "canvas_valid": c["valid"], "canvas_mask": c["canvas_mask"]}
+    out = {"prompt_ids": prompt_ids, "prompt_valid": prompt_valid, "canvas_ids": c["tokens"],
+           "canvas_valid": c["valid"], "canvas_mask": c["canvas_mask"]}
+    if any(ex.hint is not None for ex in examples):
+        width = c["tokens"].shape[1]
+        out["canvas_hint"] = torch.tensor([ex.hint or [-1] * width for ex in examples], dtype=torch.long)
+    return out
 
 
 class DataOrder:
@@ -128,11 +139,11 @@ class SFTData:
     """A pre-tokenised JSONL data set with :meth:`batch` drawing from a :class:`DataOrder`."""
 
     def __init__(self, path: str | Path | None, tokenizer, *, prompt_len: int, num_canvases: int, canvas_size: int,
-                 limit: int | None = None, records: list[dict] | None = None):
+                 limit: int | None = None, records: list[dict] | None = None, hint_fn=None):
         records = (read_jsonl(path) if records is None else records)[:limit]
         self.prompt_len, self.pad_id = prompt_len, tokenizer.pad_id
         self.examples = [encode_example(tokenizer, r, prompt_len=prompt_len, num_canvases=num_canvases,
-                                        canvas_size=canvas_size) for r in records]
+                                        canvas_size=canvas_size, hint_fn=hint_fn) for r in records]
         self.num_truncated = sum(ex.truncated for ex in self.examples)
 
     def __len__(self) -> int:

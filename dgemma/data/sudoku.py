@@ -580,3 +580,17 @@ def write_splits(out_dir, *, csv=None, n: int | None = None, seed: int = 0, diff
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta
+
+
+def clue_hint(record: dict, response_ids: list[int], tokenizer) -> list[int]:
+    """Pin the clues of ``record["puzzle"]`` in the solution canvas (infilling): token ids where
+    the puzzle has a digit, ``-1`` at blanks.
+
+    Needs one token per cell, in order (the ``digits`` tokenizer); a tokenizer that merges or
+    splits digits cannot say which canvas position holds which cell, so it is refused.
+    """
+    puzzle, solution = record["puzzle"], record["solution"]
+    if len(response_ids) < 81 or tokenizer.decode(response_ids[:81]) != solution:
+        raise DGemmaError("pinning Sudoku clues needs one token per cell (data.tokenizer='digits'); "
+                          "this tokenizer does not map the 81 solution digits to 81 tokens")
+    return [tok if puzzle[i] != "0" else -1 for i, tok in enumerate(response_ids[:81])]

@@ -17,11 +17,12 @@ from dgemma.data.sudoku import SYSTEM_PROMPT, format_prompt, format_response, ra
 
 class SudokuStream:
     def __init__(self, tokenizer, *, prompt_len: int, num_canvases: int, canvas_size: int, seed: int = 0,
-                 clues: tuple[int, int] = (17, 50), pool: int = 512, size: int = 10_000_000):
+                 clues: tuple[int, int] = (17, 50), pool: int = 512, size: int = 10_000_000, hint_fn=None):
         rnd = random.Random(seed)
         self.pool = [random_grid(rnd) for _ in range(pool)]
         self.tokenizer, self.seed, self.clues, self.size = tokenizer, seed, clues, size
-        self.kw = {"prompt_len": prompt_len, "num_canvases": num_canvases, "canvas_size": canvas_size}
+        self.kw = {"prompt_len": prompt_len, "num_canvases": num_canvases, "canvas_size": canvas_size,
+                   "hint_fn": hint_fn}
         self.prompt_len, self.pad_id = prompt_len, tokenizer.pad_id
 
     def __len__(self) -> int:

@@ -12,6 +12,10 @@ Which canvases are decoded is the only difference between the adapter and Lite:
 - ``one``: one valid canvas per example, uniformly (the adapter);
 - ``all``: every valid canvas at once, each against its own prefix (Lite / BD3-LM style).
 
+``loss_on="all"`` scores every valid position of a decoded canvas, corrupted or not (SPEC §2);
+``"noised"`` only the corrupted ones (MDLM's masked loss, for absorbing noise). Pinned tokens
+(``canvas_hint >= 0``, infilling) are never corrupted nor scored.
+
 Losses come back as sums and counts so the trainer normalises by valid tokens across
 gradient-accumulation micro-steps and ranks.
 """
@@ -28,6 +32,21 @@ from dgemma.diffusion.schedules import sample_t
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.selfcond import expected_embedding
+
+
+@dataclass
+class Plan:
+    """The random draws of one micro-batch (see :meth:`DiffusionObjective.plan`)."""
+
+    chosen: Tensor  # [B, N] canvases decoded
+    t: Tensor  # [B]
+    x0: Tensor  # [B, L] clean tokens of the decoded canvas(es)
+    xt: Tensor  # [B, L] their corruption
+    target: Tensor  # [B, L] positions scored by the diffusion loss
+    noisy: TokenInfo  # metadata of the decoder tokens
+    selfcond_rows: Tensor | None  # [B] rows self-conditioned on a first pass
+    diffusion_count: int
+    ar_count: int
 
 
 @dataclass
@@ -85,7 +104,10 @@ def compact_valid(valid: Tensor) -> Tensor:
 
 class DiffusionObjective:
     def __init__(self, *, noise, canvas_size: int, t_eps: float = 1e-4, selfcond_prob: float = 0.5,
-                 ar_loss_weight: float = 1.0, decode: str = "one", chunk_tokens: int = 1024):
+                 ar_loss_weight: float = 1.0, decode: str = "one", chunk_tokens: int = 1024, loss_on: str = "all"):
+        if loss_on not in ("all", "noised"):
+            raise ValueError(f"loss_on must be 'all' or 'noised', got {loss_on!r}")
+        self.loss_on = loss_on
         self.noise = noise
         self.canvas_size = canvas_size
         self.t_eps = t_eps
@@ -94,7 +116,42 @@ class DiffusionObjective:
         self.decode = decode
         self.chunk_tokens = chunk_tokens
 
+    def plan(self, batch: dict[str, Tensor], generator: torch.Generator) -> Plan:
+        """Every random draw of a micro-batch, before the network runs: which canvases, ``t``, the
+        corruption, and who gets self-conditioning. The trainer plans all micro-batches first to
+        count their loss tokens exactly (they depend on the draws under ``loss_on="noised"``)."""
+        prompt_ids, canvas_ids = batch["prompt_ids"], batch["canvas_ids"]
+        b, p = prompt_ids.shape
+        c = self.canvas_size
+        dev = prompt_ids.device
+        chosen = pick_canvases(batch["canvas_mask"].bool(), self.decode, generator)  # [B, N]
+        t = sample_t(b, generator=generator, eps=self.t_eps).to(dev)  # [B]
+        canvas_info = batch_info(batch, c)[:, p:]
+        chosen_tok = chosen.repeat_interleave(c, dim=1) & canvas_info.valid  # [B, N*C]
+        hint = batch.get("canvas_hint")  # [B, N*C], -1 = free: pinned tokens are never corrupted
+        if self.decode == "one":  # decode only the chosen canvas: gather its C tokens per row
+            k = chosen.float().argmax(-1)  # [B]
+            idx = k[:, None] * c + torch.arange(c, device=dev)[None, :]  # [B, C]
+            x0 = canvas_ids.gather(1, idx)
+            sel = chosen_tok.gather(1, idx)
+            info = canvas_info[torch.arange(b, device=dev)[:, None], idx]
+            hint = None if hint is None else hint.gather(1, idx)
+        else:
+            x0, sel, info = canvas_ids, chosen_tok, canvas_info
+        free = sel if hint is None else sel & (hint < 0)
+        xt = self.noise.q_sample(x0, t, generator=generator, where=free)
+        target = free & (xt != x0) if self.loss_on == "noised" else free
+        use = torch.rand(b, generator=generator).to(dev) < self.selfcond_prob if self.selfcond_prob > 0 else None
+        valid = torch.cat([batch["prompt_valid"].bool(), batch["canvas_valid"].bool()], 1)
+        ar_count = int(valid.sum()) - int(valid.any(-1).sum()) if self.ar_loss_weight else 0
+        return Plan(chosen=chosen, t=t, x0=x0, xt=xt, target=target,
+                    noisy=TokenInfo(info.positions, info.blocks, torch.ones_like(sel), info.valid),
+                    selfcond_rows=use, diffusion_count=int(target.sum()), ar_count=ar_count)
+
     def __call__(self, model, batch: dict[str, Tensor], generator: torch.Generator) -> LossTerms:
+        return self.run(model, batch, self.plan(batch, generator))
+
+    def run(self, model, batch: dict[str, Tensor], plan: Plan) -> LossTerms:
         prompt_ids, canvas_ids = batch["prompt_ids"], batch["canvas_ids"]
         b, p = prompt_ids.shape
         c = self.canvas_size
@@ -102,13 +159,11 @@ class DiffusionObjective:
         weight = model.lm_head.weight
         softcap = model.config.final_logit_softcapping
 
-        # 1. select canvases (one t per example); 2. encode the clean context -> cache (+ AR loss)
-        chosen = pick_canvases(batch["canvas_mask"].bool(), self.decode, generator)  # [B, N]
-        t = sample_t(b, generator=generator, eps=self.t_eps).to(dev)  # [B]
+        # encode the clean context -> cache (+ AR loss)
         clean = batch_info(batch, c)
         ids = torch.cat([prompt_ids, canvas_ids], 1)  # [B, P + N*C]
         if not self.ar_loss_weight:  # no canvas attends to its own or later clean tokens: skip them
-            last = int(chosen.any(0).nonzero().max()) if chosen.any() else 0
+            last = int(plan.chosen.any(0).nonzero().max()) if plan.chosen.any() else 0
             ids, clean = ids[:, : p + last * c], clean[:, : p + last * c]
         cache = KVCache(b, ids.shape[1]) if ids.shape[1] else None  # no context: decode alone
         hidden = model(ids, info=clean, cache=cache, return_hidden=True) if cache is not None else None
@@ -120,30 +175,17 @@ class DiffusionObjective:
         else:
             ar_sum, ar_count = weight.new_zeros(()), torch.zeros((), dtype=torch.long, device=dev)
 
-        # 3. corrupt the chosen canvases
-        canvas_info = batch_info(batch, c)[:, p:]
-        chosen_tok = chosen.repeat_interleave(c, dim=1) & canvas_info.valid  # [B, N*C]
-        if self.decode == "one":  # decode only the chosen canvas: gather its C tokens per row
-            k = chosen.float().argmax(-1)  # [B]
-            idx = k[:, None] * c + torch.arange(c, device=dev)[None, :]  # [B, C]
-            x0 = canvas_ids.gather(1, idx)
-            sel = chosen_tok.gather(1, idx)
-            info = canvas_info[torch.arange(b, device=dev)[:, None], idx]
-        else:
-            x0, sel, info = canvas_ids, chosen_tok, canvas_info
-        xt = self.noise.q_sample(x0, t, generator=generator, where=sel)
-        noisy = TokenInfo(info.positions, info.blocks, torch.ones_like(sel), info.valid)
-
-        # 4. decoder, optionally self-conditioned on a detached first pass (p per example)
+        # decode the corrupted canvases, optionally self-conditioned on a detached first pass
+        xt, noisy, t = plan.xt, plan.noisy, plan.t
         selfcond = None
-        if model.self_conditioning is not None and self.selfcond_prob > 0:
-            use = torch.rand(b, generator=generator).to(dev) < self.selfcond_prob
-            if use.any():
-                with torch.no_grad():
-                    h0 = model(xt, info=noisy, cache=cache, t=t, return_hidden=True)
-                    signal = expected_embedding(h0.reshape(-1, h0.shape[-1]), weight, softcap=softcap)
-                selfcond = signal.view_as(h0) * use[:, None, None].to(h0.dtype)  # zero signal = off
+        use = plan.selfcond_rows
+        if model.self_conditioning is not None and use is not None and use.any():
+            with torch.no_grad():
+                h0 = model(xt, info=noisy, cache=cache, t=t, return_hidden=True)
+                signal = expected_embedding(h0.reshape(-1, h0.shape[-1]), weight, softcap=softcap)
+            selfcond = signal.view_as(h0) * use[:, None, None].to(h0.dtype)  # zero signal = off
         hd = model(xt, info=noisy, cache=cache, t=t, selfcond=selfcond, return_hidden=True)
-        d_sum, d_count = chunked_cross_entropy(hd.reshape(-1, hd.shape[-1]), weight, x0.reshape(-1),
-                                               sel.reshape(-1), softcap=softcap, chunk_tokens=self.chunk_tokens)
+        d_sum, d_count = chunked_cross_entropy(hd.reshape(-1, hd.shape[-1]), weight, plan.x0.reshape(-1),
+                                               plan.target.reshape(-1), softcap=softcap,
+                                               chunk_tokens=self.chunk_tokens)
         return LossTerms(d_sum, d_count, ar_sum, ar_count)

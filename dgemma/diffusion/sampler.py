@@ -76,13 +76,23 @@ class CanvasSampler:
     t_max: float = 1.0
     use_cache: bool = True
     record: bool = False
+    # Optional per-step callback, called after every denoising step with keyword arguments
+    # canvas, step, t, rows (original row indices of the rows in this step), tokens, committed,
+    # argmax ([len(rows), C] tensors: x_t after the step, the commit mask, the model's argmax) and
+    # done ([len(rows)] bool: rows whose canvas ends at this step; the emitted canvas is `tokens`
+    # on the last step, `argmax` on an early stop). Streaming front-ends read it; an exception
+    # raised in it aborts sampling and propagates (how a server cancels a request). It draws
+    # nothing from the generator, so outputs are the same with or without it.
+    on_step: object = None
 
     @property
     def forbid(self) -> int | None:
         return getattr(self.noise, "mask_token_id", None)
 
     @torch.no_grad()
-    def __call__(self, model, prompt_ids: Tensor, prompt_valid: Tensor, *, generator: torch.Generator) -> SampleResult:
+    def __call__(self, model, prompt_ids: Tensor, prompt_valid: Tensor, *, generator: torch.Generator,
+                 hints: Tensor | None = None) -> SampleResult:
+        """``hints [B, max_canvases * C]`` pins known tokens (``-1`` = free), e.g. Sudoku clues."""
         t0 = time.perf_counter()
         b, p = prompt_ids.shape
         dev = prompt_ids.device
@@ -112,6 +122,8 @@ class CanvasSampler:
             state = CanvasState(tokens=self.noise.noise_like((a, c), generator=generator, device=dev),
                                 committed=torch.zeros(a, c, dtype=torch.bool, device=dev),
                                 prev_pred=None, prev_conf=None)
+            if hints is not None and hints.shape[1] > k * c:
+                state = state.pin(hints[active][:, k * c:(k + 1) * c])
             canvas = torch.empty(a, c, dtype=torch.long, device=dev)
             running = torch.arange(a, device=dev)  # rows of the canvas batch still denoising
             self.stop.reset(a)
@@ -137,6 +149,9 @@ class CanvasSampler:
                     selfcond = probs_embedding(logits / self.temperature, embed)
                 done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
                     self.stop.update(logits, self.temperature)
+                if self.on_step is not None:
+                    self.on_step(canvas=k, step=i, t=float(grid[i]), rows=active[running].tolist(),
+                                 tokens=state.tokens, committed=state.committed, argmax=logits.argmax(-1), done=done)
                 if self.record:
                     argmax = logits.argmax(-1)
                     for j, r in enumerate(active[running].tolist()):

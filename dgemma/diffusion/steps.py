@@ -30,12 +30,17 @@ from dgemma.errors import DGemmaError
 @dataclass
 class CanvasState:
     """One canvas per row: ``tokens [B, C]`` (the current ``x_t``), ``committed [B, C]`` (final
-    for good), and the previous step's prediction and confidence (None before the first step)."""
+    for good), and the previous step's prediction and confidence (None before the first step).
+
+    ``pinned [B, C]`` marks known tokens given before sampling (infilling, e.g. Sudoku clues):
+    they start committed, and the commit schedule paces only the free positions.
+    """
 
     tokens: Tensor
     committed: Tensor
     prev_pred: Tensor | None = None
     prev_conf: Tensor | None = None
+    pinned: Tensor | None = None
 
     @classmethod
     def from_noise(
@@ -48,7 +53,14 @@ class CanvasState:
     def select(self, rows: Tensor) -> CanvasState:
         """The state of the rows ``rows`` (indices or a bool mask), to follow a shrinking batch."""
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
-        return CanvasState(pick(self.tokens), pick(self.committed), pick(self.prev_pred), pick(self.prev_conf))
+        return CanvasState(pick(self.tokens), pick(self.committed), pick(self.prev_pred), pick(self.prev_conf),
+                           pick(self.pinned))
+
+    def pin(self, hint: Tensor) -> CanvasState:
+        """Fix the tokens of ``hint [B, C]`` where it is ``>= 0`` (``-1`` = free)."""
+        pinned = hint >= 0
+        return CanvasState(torch.where(pinned, hint, self.tokens), self.committed | pinned, self.prev_pred,
+                           self.prev_conf, pinned)
 
 
 class Step(Protocol):
@@ -93,7 +105,8 @@ def _renoise(
     fresh = noise.noise_like(tuple(state.tokens.shape), generator=generator, device=state.tokens.device)
     new = new & ~state.committed
     tokens = torch.where(state.committed, state.tokens, torch.where(new, pred, fresh))
-    return CanvasState(tokens=tokens, committed=state.committed | new, prev_pred=pred, prev_conf=conf)
+    return CanvasState(tokens=tokens, committed=state.committed | new, prev_pred=pred, prev_conf=conf,
+                       pinned=state.pinned)
 
 
 class DDIMStep:
@@ -170,7 +183,9 @@ class CommitStep:
             return _renoise(state, self.noise, pred, conf, open_, generator)
         width = state.tokens.shape[-1]
         alpha_s = float(self.schedule.alpha(torch.tensor(float(s), dtype=torch.float64)))
-        target = min(width, math.ceil(alpha_s * width - 1e-6))
+        pinned = torch.zeros_like(state.committed) if state.pinned is None else state.pinned
+        n_pin = pinned.sum(-1)
+        target = n_pin + torch.ceil(alpha_s * (width - n_pin) - 1e-6).long()  # pace the free positions only
         n_new = (target - state.committed.sum(-1)).clamp_min(0)
         score = conf.double()
         if state.prev_pred is not None and state.prev_conf is not None:

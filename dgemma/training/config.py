@@ -67,6 +67,7 @@ class DiffusionConfig:
     ar_loss_weight: float = 1.0  # encoder next-token loss beside the diffusion loss; 0 = off
     loss_chunk_tokens: int = 1024  # tokens per chunked-CE slice: peak fp32 logits = this x vocab x 4 B
     decode: Literal["one", "all"] = "one"  # canvases decoded per example: one (adapter) or all (Lite)
+    loss_on: Literal["all", "noised"] = "all"  # diffusion loss on every canvas position, or corrupted ones
     mask_token_id: int | None = None  # absorbing process only: the mask token (None: the tokenizer's)
 
     def __post_init__(self):
@@ -82,6 +83,7 @@ class DataConfig:
     tokenizer: str | None = None  # for models trained from scratch: "digits" or a tokenizer.json path
     split: str = "train"  # chat task from a Hugging Face dataset: the split to train on
     supervise: Literal["last", "all"] = "last"  # chat task: the final assistant turn, or every one
+    pin_clues: bool = False  # sudoku: clues pinned in the canvas (infilling), never noised nor scored
     path: str | None = None  # None: the task's default source (generator, shared data set)
     prompt_len: int = 256
     batch_size: int = 8  # per optimiser micro-step and rank

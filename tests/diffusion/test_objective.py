@@ -134,3 +134,29 @@ def test_entropy_stopping_freezes_rows(threshold, steps):
     assert [len(tr) for tr in res.trajectories] == [steps, steps]
     if steps == 1:  # an early-stopped row emits the argmax canvas of its last prediction
         assert res.tokens[0] == res.trajectories[0][-1]["argmax"]
+
+
+def test_pinned_hints_are_never_noised_scored_or_resampled():
+    b = make_batch()
+    hint = torch.full_like(b["canvas_ids"], -1)
+    hint[:, ::2] = b["canvas_ids"][:, ::2]  # pin every other token
+    b["canvas_hint"] = hint
+    obj = objective(decode="all", ar_loss_weight=0.0, loss_on="noised")
+    plan = obj.plan(b, torch.Generator().manual_seed(0))
+    pinned = hint >= 0
+    assert torch.equal(plan.xt[pinned], b["canvas_ids"][pinned])
+    assert not plan.target[pinned].any() and plan.target[~pinned].any()
+    assert torch.equal(plan.target, (plan.xt != plan.x0) & ~pinned)
+    assert plan.diffusion_count == int(plan.target.sum())
+
+    model = tiny().eval()
+    noise = UniformNoise(V, LinearSchedule())
+    for step in ("ddim", "commit", "confidence"):
+        kw = {"schedule": LinearSchedule()} if step == "commit" else {}
+        sampler = CanvasSampler(noise=noise, step=build_step(step, noise=noise, **kw), num_steps=4, canvas_size=C,
+                                max_canvases=1)
+        res = sampler(model, b["prompt_ids"], b["prompt_valid"], generator=torch.Generator().manual_seed(0),
+                      hints=hint[:, :C])
+        for row in range(2):
+            got = torch.tensor(res.tokens[row])
+            assert torch.equal(got[::2], hint[row, :C:2]), step
