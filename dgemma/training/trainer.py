@@ -75,21 +75,8 @@ class TrainModule(nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, batch: dict, generator: torch.Generator) -> dict:
-        terms = self.objective(self.model, batch, generator)
-        return vars(terms)
-
-
-def count_tokens(objective: DiffusionObjective, batch: dict) -> tuple[int, int]:
-    """Valid tokens of the diffusion and AR losses in ``batch``, known before any random draw."""
-    cv, cm = batch["canvas_valid"].bool(), batch["canvas_mask"].bool()
-    if objective.decode == "one":  # every position of the chosen canvas is valid (EOS filled)
-        d = int(cm.any(-1).sum()) * objective.canvas_size
-    else:
-        d = int(cv.sum())
-    valid = torch.cat([batch["prompt_valid"].bool(), cv], 1)
-    a = int(valid.sum()) - int(valid.any(-1).sum()) if objective.ar_loss_weight else 0
-    return d, a
+    def forward(self, batch: dict, plan) -> dict:
+        return vars(self.objective.run(self.model, batch, plan))
 
 
 def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, seed: int, rank: int, world: int,
@@ -100,28 +87,32 @@ def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, 
     Losses are sums divided by the step's global token counts, times ``world`` because DDP
     averages gradients over ranks: the gradient is exactly that of one big batch.
     """
-    counts = torch.tensor([count_tokens(objective, b) for b in batches], dtype=torch.float64).sum(0)
+    plans = [objective.plan(b, step_generator(seed, step, m, rank, world, len(batches))) for m, b in enumerate(batches)]
+    counts = torch.tensor([[pl.diffusion_count, pl.ar_count] for pl in plans], dtype=torch.float64).sum(0)
     if world > 1:
         dist.all_reduce(counts)
     d_norm, a_norm = counts.tolist()
     logged = torch.zeros(2, dtype=torch.float64)
     optimizer.zero_grad(set_to_none=True)
     for micro, batch in enumerate(batches):
-        g = step_generator(seed, step, micro, rank, world, len(batches))
-        torch.manual_seed(g.initial_seed())  # dropout (LoRA) draws from the global generator
-        sync = micro == len(batches) - 1 or not hasattr(module, "no_sync")
-        with (nullcontext() if sync else module.no_sync()), autocast():
-            terms = LossTerms(**module(batch, g))
+        torch.manual_seed(derive_seed(seed, step, micro * world + rank, 7))  # dropout (LoRA): global RNG
+        with _grad_sync(module, micro == len(batches) - 1), autocast():
+            terms = LossTerms(**module(batch, plans[micro]))
             loss = terms.objective(d_norm, a_norm, ar_weight) * world
         loss.backward()
         logged += torch.tensor([terms.diffusion_sum.item(), terms.ar_sum.item()], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(logged)
-    params = [p for p in module.parameters() if p.grad is not None]
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:  # unused this step (no row self-conditioned): zero, as DDP's all-reduce leaves it
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     if clip_norm:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
     else:
-        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.zeros(())
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
     d_loss, a_loss = logged[0].item() / max(d_norm, 1), logged[1].item() / max(a_norm, 1)
     out = {"diffusion_loss": d_loss, "ar_loss": a_loss, "loss": d_loss + ar_weight * a_loss,
            "grad_norm": float(grad_norm), "tokens": d_norm + a_norm}
@@ -130,6 +121,16 @@ def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, 
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return out
+
+
+def _grad_sync(module: nn.Module, sync: bool):
+    """Skip the gradient all-reduce on all but the last micro-step (DDP ``no_sync``; FSDP2
+    ``set_requires_gradient_sync``)."""
+    if hasattr(module, "no_sync"):
+        return nullcontext() if sync else module.no_sync()
+    if hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(sync)
+    return nullcontext()
 
 
 # ------------------------------------------------------------------------------- building
@@ -182,7 +183,8 @@ def build_noise_for(cfg: Config, model, tokenizer):
 def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
     d = cfg.diffusion
     return DiffusionObjective(noise=build_noise_for(cfg, model, tokenizer), canvas_size=d.canvas_size, t_eps=d.t_eps, selfcond_prob=d.selfcond_prob,
-                              ar_loss_weight=d.ar_loss_weight, decode=d.decode, chunk_tokens=d.loss_chunk_tokens)
+                              ar_loss_weight=d.ar_loss_weight, decode=d.decode, chunk_tokens=d.loss_chunk_tokens,
+                              loss_on=d.loss_on)
 
 
 def build_train_data(cfg: Config, tokenizer):
@@ -203,13 +205,12 @@ def estimate_memory(model: nn.Module, cfg: Config) -> dict[str, int]:
     seq = cfg.data.prompt_len + cfg.diffusion.num_canvases * cfg.diffusion.canvas_size
     dec = cfg.diffusion.canvas_size * (1 if cfg.diffusion.decode == "one" else cfg.diffusion.num_canvases)
     tokens = b * (seq + dec)
+    # Activation checkpointing is not counted: the model checkpoints only cache-free passes, and
+    # every pass of the training objective runs against the KV cache.
     per_token_layer = 10 * mc.hidden_size + 3 * mc.intermediate_size + 4 * mc.num_attention_heads * mc.head_dim
-    if cfg.train.activation_checkpointing:
-        per_token_layer = mc.hidden_size
     scores = 0
     if mc.attn_implementation == "eager":
-        scores = b * mc.num_attention_heads * (seq + dec) * seq * 4 * (1 if cfg.train.activation_checkpointing
-                                                                        else mc.num_hidden_layers)
+        scores = b * mc.num_attention_heads * (seq + dec) * seq * 4 * mc.num_hidden_layers
     opt = {"adamw": 2 * n_train * 4, "adafactor": n_train * 4 // 64}[cfg.optim.name]
     return {
         "weights": n_all * 4,
@@ -308,7 +309,6 @@ class Trainer:
         self.workdir = Path(cfg.workdir)
         if self.rank == 0:
             self.workdir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.workdir)
         self.log = MetricsLog(self.workdir, self.rank == 0)
         self.model, self.tokenizer = build_model(cfg)
         self.model.to(self.device)
@@ -332,6 +332,8 @@ class Trainer:
         if cfg.train.resume and (latest := ckpt.latest_checkpoint(self.workdir)) is not None:
             self.restore(latest)
             self.say(f"resumed from {latest}")
+        if self.rank == 0:  # after the resume check: a refused resume leaves the run's config.json alone
+            save_config(cfg, self.workdir)
 
     def say(self, msg: str) -> None:
         if self.rank == 0:
@@ -349,7 +351,8 @@ class Trainer:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DDP(module, device_ids=ids)
+        # self-conditioning runs only when some row of the micro-batch draws it
+        return DDP(module, device_ids=ids, find_unused_parameters=self.model.self_conditioning is not None)
 
     def autocast(self):
         if _use_bf16(self.cfg):
@@ -416,6 +419,8 @@ class Trainer:
         msg = (f"rollback: {self.nan_streak} consecutive non-finite steps at step {self.step}; restored weights "
                f"and optimiser from {latest.name}, continuing with the next batches")
         self.restore(latest, weights_only=True)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr  # the restored groups hold the checkpoint step's rate, not this step's
         self.nan_streak = 0
         self.say(msg)
         self.log.event(self.step, msg)
