@@ -46,17 +46,17 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: float = 1.0):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)) / scaling
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.max_positions = max_positions
-        self._table: tuple[Tensor, Tensor] | None = None
+        self._table: tuple[Tensor, Tensor] | None = None  # not a buffer: model.to(dtype) must not round it
 
     def table(self, device: torch.device, needed: int) -> tuple[Tensor, Tensor]:
         """fp32 ``cos, sin [n, head_dim]``, grown by doubling to cover ``needed`` positions."""
         if self._table is None or self._table[0].device != device or self._table[0].shape[0] < needed:
             n = min(self.max_positions, max(1024, 1 << (needed - 1).bit_length()))
-            pos = torch.arange(n, device=device, dtype=torch.float)
-            freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+            exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device) / self.head_dim
+            inv_freq = 1.0 / (self.theta ** exponent) / self.scaling
+            freqs = torch.arange(n, device=device, dtype=torch.float)[:, None] * inv_freq[None, :]
             emb = torch.cat([freqs, freqs], -1)
             self._table = (emb.cos(), emb.sin())
         return self._table

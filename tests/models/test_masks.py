@@ -101,3 +101,13 @@ def test_docstring_examples():
     import dgemma.models.masks as masks
 
     assert doctest.testmod(masks, extraglobs={"torch": torch}).failed == 0
+
+
+def test_rotary_table_stays_fp32_whatever_the_model_dtype():
+    from dgemma.models.primitives import Rotary
+
+    a, b = Rotary(16, 10_000.0, 4096), Rotary(16, 10_000.0, 4096).to(torch.bfloat16)
+    pos = torch.tensor([[0, 7, 511, 3000]])
+    ca, sa = a(pos, torch.float32)
+    cb, sb = b(pos, torch.float32)
+    assert torch.equal(ca, cb) and torch.equal(sa, sb)
