@@ -1,10 +1,21 @@
-"""dgemma: DiffusionGemma in PyTorch."""
+"""dgemma: DiffusionGemma in PyTorch.
 
-from dgemma.models.kv_cache import KVCache
-from dgemma.models.masks import TokenInfo
-from dgemma.models.transformer import DiffusionGemma, ModelConfig
+Imports are lazy so that ``import dgemma`` (and the CLI, and worker processes) start without
+loading torch until a model is actually needed.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "DiffusionGemma": "dgemma.models.transformer",
+    "ModelConfig": "dgemma.models.transformer",
+    "KVCache": "dgemma.models.kv_cache",
+    "TokenInfo": "dgemma.models.masks",
+}
 
 
 def load_pretrained(source, *, dtype=None, **overrides):
@@ -15,6 +26,12 @@ def load_pretrained(source, *, dtype=None, **overrides):
     from dgemma.models.weights import load_pretrained as _load
 
     return _load(source, dtype=dtype, **overrides)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dgemma' has no attribute {name!r}")
 
 
 __all__ = ["DiffusionGemma", "KVCache", "ModelConfig", "TokenInfo", "load_pretrained", "__version__"]

@@ -88,7 +88,17 @@ def _completion(cfg, tokenizer):
     return _records(cfg, tokenizer, records, problems, cfg.data.path)
 
 
-BUILDERS = {"sudoku": _sudoku, "pubmedqa": _prepared, "chat": _chat, "completion": _completion}
+def _corpus(cfg, tokenizer):
+    """Lite pretraining: fixed windows over ``dgemma prepare corpus`` shards, all canvases."""
+    from dgemma.data.corpus import CorpusData
+
+    if not cfg.data.path:
+        raise DGemmaError("task 'corpus' needs data.path: a directory written by `dgemma prepare corpus`")
+    return CorpusData(cfg.data.path, cfg.data.prompt_len + cfg.diffusion.num_canvases * cfg.diffusion.canvas_size,
+                      cfg.diffusion.canvas_size)
+
+
+BUILDERS = {"sudoku": _sudoku, "pubmedqa": _prepared, "chat": _chat, "completion": _completion, "corpus": _corpus}
 
 
 def build_train_data(cfg, tokenizer):
