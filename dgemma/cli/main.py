@@ -11,6 +11,10 @@ from dgemma.errors import DGemmaError
 VERBS = {
     "prepare": "dgemma.cli.prepare",
     "train": "dgemma.cli.train",
+    "eval": "dgemma.cli.eval",
+    "plot": "dgemma.cli.plot",
+    "export": "dgemma.cli.export",
+    "serve": "dgemma.cli.serve",
 }
 
 

@@ -145,8 +145,8 @@ class CanvasSampler:
                 is_last = i == self.num_steps - 1
                 state = self.step(state, logits, float(grid[i]), float(grid[i + 1]), generator=generator,
                                   is_last=is_last)
-                if model.self_conditioning is not None:
-                    selfcond = probs_embedding(logits / self.temperature, embed)
+                if model.self_conditioning is not None:  # T <= 0 (greedy) conditions on the plain softmax
+                    selfcond = probs_embedding(logits / (self.temperature if self.temperature > 0 else 1.0), embed)
                 done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
                     self.stop.update(logits, self.temperature)
                 if self.on_step is not None:

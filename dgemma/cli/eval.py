@@ -1,0 +1,92 @@
+"""``dgemma eval --cfg.workdir=DIR [--task=sudoku|pubmedqa] [--step=N] [--eval_names=a,b] [--visualize=K]
+[--cfg.eval_ds.batch_size=..] [--cfg.aux.eval_num_batches=..] [--cfg.aux.num_canvases=..] ...``
+
+The run's own ``DIR/config.json`` is the source of truth; ``--cfg.*`` overrides apply on top of
+it (evaluation settings; an architecture change is refused). ``--cfg=FILE`` is accepted so a
+training command line can be reused, but the file itself is not read: a config file edited
+since training would otherwise silently disagree with the checkpoint.
+
+``--task`` defaults to the run's ``data.task``. ``--eval_names`` picks evaluators by name
+(default: ``sample_ar_steps{N}`` and ``..._early_stopping`` for N in ``eval_ds.steps``); see
+:mod:`dgemma.eval.harness` for names on other splits and for the files written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dgemma.errors import DGemmaError
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    overrides = [a for a in argv if a.startswith("--cfg.")]
+    rest = [a for a in argv if not a.startswith("--cfg.")]
+    p = argparse.ArgumentParser(prog="dgemma eval", description="evaluate a training run's checkpoint",
+                                epilog="--cfg.workdir=DIR is required; --cfg.SECTION.KEY=VALUE overrides the run's "
+                                       "config.json, e.g. --cfg.eval_ds.batch_size=16 --cfg.aux.eval_num_batches=2")
+    p.add_argument("--cfg", help="accepted and ignored: the workdir's config.json is used")
+    p.add_argument("--task", help="sudoku, pubmedqa, chat or completion (default: the run's data.task)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    p.add_argument("--eval_names", help="comma-separated evaluator names, e.g. sample_ar_steps32,"
+                                        "sample_ar_steps32_early_stopping")
+    p.add_argument("--visualize", type=int, default=0, metavar="K",
+                   help="write a GIF and a PNG strip of the denoising of the first K examples")
+    p.add_argument("--ar_max_tokens", type=int, default=None,
+                   help="tokens of the AR baseline per prompt (default 64; 0 skips it)")
+    args = p.parse_args(rest)
+    workdir = [a.partition("=")[2] for a in overrides if a.startswith("--cfg.workdir=")]
+    if not workdir or not workdir[-1]:
+        raise DGemmaError("missing --cfg.workdir=DIR (a training workdir with config.json and checkpoints)")
+    args.workdir = workdir[-1]
+    if args.visualize < 0:
+        raise DGemmaError(f"--visualize must be >= 0, got {args.visualize}")
+    return args, overrides
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def table(results: list[dict], primary: tuple[str, ...]) -> str:
+    """One line per evaluator: the task's main metrics and the speed figures."""
+    primary = tuple(m for m in primary if any(m in r["metrics"] for r in results))
+    cols = ["eval_name", "n", *primary, "steps/canvas", "tok/fwd", "tok/s", "ar tok/s", "x ar"]
+    rows = [[r["eval_name"], r["num_examples"], *(r["metrics"].get(m) for m in primary),
+             r["stats"]["mean_steps_per_canvas"], r["stats"]["tokens_per_forward"], r["stats"]["tokens_per_second"],
+             r["stats"].get("ar_tokens_per_second"), r["stats"].get("speedup_vs_ar")] for r in results]
+    cells = [cols] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def run(argv: list[str]) -> int:
+    from dgemma.eval.harness import AR_MAX_TOKENS, default_evaluators, parse_evaluator, run_evaluators
+    from dgemma.eval.tasks import get_task
+    from dgemma.training.runs import load_run
+
+    args, overrides = parse(argv)
+    if args.cfg:
+        print(f"[dgemma] eval: using {args.workdir}/config.json; --cfg={args.cfg} is not read "
+              f"(only --cfg.* overrides apply)", file=sys.stderr)
+    run_ = load_run(args.workdir, step=args.step, overrides=overrides)
+    task = get_task(args.task or run_.cfg.data.task).configure(run_.cfg)
+    if args.eval_names:
+        evaluators = [parse_evaluator(n.strip(), task) for n in args.eval_names.split(",") if n.strip()]
+    else:
+        evaluators = default_evaluators(run_.cfg, task)
+    if not evaluators:
+        raise DGemmaError("no evaluators to run")
+    ar = AR_MAX_TOKENS if args.ar_max_tokens is None else args.ar_max_tokens
+    print(f"[dgemma] eval: {task.name} at step {run_.step} from {run_.path}, "
+          f"{len(evaluators)} evaluator(s)", file=sys.stderr)
+    results = run_evaluators(run_, task, evaluators, out_dir=args.workdir, visualize=args.visualize,
+                             ar_max_tokens=ar)
+    print(table(results, task.primary))
+    print(f"[dgemma] wrote {args.workdir}/eval/<eval_name>/step_{run_.step}.json(l)"
+          + (" and viz/" if args.visualize else ""), file=sys.stderr)
+    return 0
