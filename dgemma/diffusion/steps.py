@@ -222,7 +222,50 @@ class ConfidenceStep:
         return _renoise(state, self.noise, pred, conf, new, generator)
 
 
-STEPS: dict[str, type] = {"ddim": DDIMStep, "commit": CommitStep, "confidence": ConfidenceStep}
+class EntropyBoundStep:
+    """The released DiffusionGemma's step (as in transformers' ``DiffusionGemmaForBlockDiffusion``).
+
+    Sample a denoiser canvas from the logits at a temperature that falls linearly from ``t_max``
+    (first step, ``t = 1``) to ``t_min`` (``t -> 0``); sort positions by the entropy of that
+    distribution and accept the ``k`` lowest-entropy ones with ``sum(H) - max(H) <= bound`` (an
+    upper bound on their joint mutual information, so they are nearly independent); every
+    position not accepted is re-noised. Nothing is committed for good: the accepted set is
+    chosen afresh each step. The last step emits the argmax canvas.
+    """
+
+    def __init__(self, noise: NoiseProcess, bound: float = 0.1, t_max: float = 0.8, t_min: float = 0.4):
+        if bound <= 0 or not 0 < t_min <= t_max:
+            raise DGemmaError(f"entropy_bound needs bound > 0 and 0 < t_min <= t_max, got {bound}, {t_min}, {t_max}")
+        self.noise, self.bound, self.t_max, self.t_min = noise, float(bound), float(t_max), float(t_min)
+
+    def temperature(self, t: float) -> float:
+        return self.t_min + (self.t_max - self.t_min) * t
+
+    def accept(self, entropy: Tensor) -> Tensor:
+        """``[B, C]`` entropies -> the accepted positions (bool)."""
+        sorted_h, order = torch.sort(entropy, dim=-1)
+        keep = torch.cumsum(sorted_h, -1) - sorted_h <= self.bound
+        return torch.zeros_like(keep).scatter(-1, order, keep)
+
+    def __call__(
+        self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
+    ) -> CanvasState:
+        scaled = logits.float() / self.temperature(t)
+        if is_last:
+            pred = logits.argmax(-1)
+            return replace(state, tokens=torch.where(state.committed, state.tokens, pred), prev_pred=pred)
+        logp = torch.log_softmax(scaled, -1)
+        probs = logp.exp()
+        entropy = -(probs * logp).sum(-1)
+        draw = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+        accepted = self.accept(entropy) & ~state.committed
+        fresh = self.noise.noise_like(tuple(state.tokens.shape), generator=generator, device=state.tokens.device)
+        tokens = torch.where(state.committed, state.tokens, torch.where(accepted, draw, fresh))
+        return replace(state, tokens=tokens, prev_pred=draw)
+
+
+STEPS: dict[str, type] = {"ddim": DDIMStep, "commit": CommitStep, "confidence": ConfidenceStep,
+                          "entropy_bound": EntropyBoundStep}
 
 
 def build_step(name: str, **kw: Any) -> Step:

@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -253,7 +254,7 @@ def test_state_select():
 
 def test_registry():
     noise = UniformNoise(9, LinearSchedule())
-    assert set(STEPS) == {"ddim", "commit", "confidence"}
+    assert set(STEPS) == {"ddim", "commit", "confidence", "entropy_bound"}
     assert isinstance(build_step("ddim", noise=noise, temperature=0.5), DDIMStep)
     assert build_step("confidence", noise=noise, threshold=0.8).threshold == 0.8
     assert isinstance(build_step("commit", noise=noise), CommitStep)
@@ -265,3 +266,30 @@ def test_registry():
         build_step("confidence", noise=noise, threshold=1.5)
     with pytest.raises(DGemmaError):
         build_step("ddim", noise=noise, temperature=-1.0)
+
+
+def test_entropy_bound_accepts_the_lowest_entropy_prefix_within_the_bound():
+    from dgemma.diffusion.steps import EntropyBoundStep
+
+    step = EntropyBoundStep(UniformNoise(5, LinearSchedule()), bound=0.1)
+    h = torch.tensor([[0.30, 0.01, 0.05, 0.02, 0.9]])
+    # sorted: .01 .02 .05 .30 .90; cumsum - self: 0, .01, .03, .08, .38 -> first four accepted
+    assert step.accept(h).tolist() == [[True, True, True, True, False]]
+    assert step.temperature(1.0) == pytest.approx(0.8) and step.temperature(0.0) == pytest.approx(0.4)
+
+
+def test_entropy_bound_step_keeps_pins_renoises_rejects_and_ends_on_argmax():
+    from dgemma.diffusion.steps import CanvasState, EntropyBoundStep
+
+    noise = UniformNoise(6, LinearSchedule())
+    step = EntropyBoundStep(noise, bound=0.1)
+    logits = torch.full((1, 4, 6), -20.0)
+    logits[0, 0, 2] = logits[0, 1, 3] = 20.0  # positions 0 and 1 certain, 2 and 3 flat
+    logits[0, 2:, :] = 0.0
+    state = CanvasState(tokens=torch.tensor([[0, 0, 0, 5]]), committed=torch.tensor([[False, False, False, True]]))
+    state = replace(state, pinned=state.committed.clone())
+    g = torch.Generator().manual_seed(0)
+    out = step(state, logits, 0.5, 0.4, generator=g, is_last=False)
+    assert out.tokens[0, :2].tolist() == [2, 3] and out.tokens[0, 3] == 5
+    last = step(state, logits, 0.1, 0.0, generator=g, is_last=True)
+    assert last.tokens[0].tolist() == [2, 3, 0, 5]
