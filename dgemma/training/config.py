@@ -85,14 +85,16 @@ class DataConfig:
     supervise: Literal["last", "all"] = "last"  # chat task: the final assistant turn, or every one
     pin_clues: bool = False  # sudoku: clues pinned in the canvas (infilling), never noised nor scored
     path: str | None = None  # None: the task's default source (generator, shared data set)
-    prompt_len: int = 256
+    prompt_len: int = 256  # 0 for pretraining (no prompt: the whole window is canvases)
     batch_size: int = 8  # per optimiser micro-step and rank
     num_workers: int = 0
     on_error: Literal["skip", "fail"] = "fail"  # a malformed record: count and skip, or stop
     seed: int = 0
 
     def __post_init__(self):
-        _positive(self, "prompt_len", "batch_size")
+        _positive(self, "batch_size")
+        if self.prompt_len < 0:
+            raise ValueError(f"prompt_len must be >= 0, got {self.prompt_len}")
 
 
 @dataclass(kw_only=True)

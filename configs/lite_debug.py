@@ -1,0 +1,32 @@
+"""Lite in miniature for a CPU: the same structure as configs/lite_343m.py (block-causal encoder,
+uniform noise, cosine schedule, time and self-conditioning, all canvases decoded) at a size that
+trains in minutes.
+
+    dgemma prepare corpus --input 'my_texts/*.txt' --vocab-size 2000 --out data/corpus_debug
+    dgemma train --cfg=configs/lite_debug.py --cfg.workdir=runs/lite_debug
+"""
+
+from dgemma.models.transformer import ModelConfig
+from dgemma.training.config import Config, DataConfig, DiffusionConfig, InitConfig, OptimConfig, TrainConfig
+
+
+def get_config() -> Config:
+    return Config(
+        model=ModelConfig(
+            vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+            sliding_window=None, layer_types=["full_attention"] * 4, max_position_embeddings=512,
+            rope_local_theta=10_000.0, rope_global_theta=10_000.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+            attn_implementation="sdpa", encoder_mode="block", self_conditioning=True, selfcond_variant="zero_init",
+            selfcond_intermediate_size=64, time_conditioning=True, time_freq_dim=64,
+        ),
+        init=InitConfig(base=None, seed=0),
+        diffusion=DiffusionConfig(process="uniform", schedule="cosine", t_eps=1e-3, canvas_size=32,
+                                  num_canvases=8, selfcond_prob=0.5, ar_loss_weight=0.0, decode="all",
+                                  loss_chunk_tokens=1024),
+        data=DataConfig(task="corpus", path="data/corpus_debug", tokenizer="data/corpus_debug/tokenizer",
+                        prompt_len=0, batch_size=8, seed=0),
+        optim=OptimConfig(name="adamw", lr=1e-3, min_lr_ratio=0.1, warmup_steps=50, betas=(0.9, 0.95),
+                          weight_decay=0.1, clip_norm=1.0),
+        train=TrainConfig(steps=500, checkpoint_every=100, keep_last=2, log_every=10),
+    )
