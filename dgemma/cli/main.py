@@ -14,6 +14,7 @@ VERBS = {
     "eval": "dgemma.cli.eval",
     "plot": "dgemma.cli.plot",
     "export": "dgemma.cli.export",
+    "bench": "dgemma.cli.bench",
     "serve": "dgemma.cli.serve",
 }
 

@@ -1,0 +1,5 @@
+"""The playground: a local web app that streams the denoising of Sudoku boards and text canvases.
+
+``dgemma serve`` (``dgemma/cli/serve.py``) builds the app with :func:`dgemma.serve.app.create_app`;
+the page itself lives in ``dgemma/serve/static/``. See ``docs/playground.md``.
+"""

@@ -1,0 +1,825 @@
+"""The playground server: a FastAPI app that streams the canvas sampler's steps to a browser.
+
+Routes
+    ``GET  /``                    the page (``static/index.html``, ``app.js``, ``style.css``)
+    ``GET  /api/info``            both models (source, loaded, noise, canvas geometry, defaults,
+                                  step types) and the request limits; loads nothing
+    ``GET  /api/status``          sampling jobs: how many run, counts by outcome, the latest few
+    ``GET  /api/sudoku/random``   ``?difficulty=easy|medium|hard`` -> a generated unique puzzle
+    ``POST /api/sudoku/solve``    JSON :class:`SolveRequest` -> an event stream
+    ``POST /api/text/generate``   JSON :class:`TextRequest` -> an event stream
+
+A stream is Server-Sent Events (``text/event-stream``; the page reads it with ``fetch`` since
+``EventSource`` cannot POST): ``start`` (the settings used, seed included), one ``step`` per
+denoising step (the board's 81 cells, or the current canvas's tokens, each settled or noisy),
+``canvas`` (text: a canvas was emitted), then ``done`` (the output and its statistics) or
+``error``. Bad input never starts a stream: it gets HTTP 400 and ``{"error": "..."}``; a
+missing model or a full server gets 503 with the same shape.
+
+Threads. Sampling never runs on the event loop: each request's sampler runs in a pool of
+``max_jobs`` threads and hands its events to the loop with ``call_soon_threadsafe``, so one slow
+request delays no other (more than ``max_jobs`` at once are refused with 503). Loading a model
+(the text model is loaded on the first text request) runs in the loop's default thread pool.
+
+Cancellation. Every job has a cancel flag, set when its response ends for any reason: the client
+disconnected (Starlette cancels the streaming task), pressed Stop (the same thing), or the
+stream finished. The sampler's ``on_step`` hook checks the flag at every step and raises
+:class:`Cancelled`, which unwinds the sampler and frees the thread; ``/api/status`` counts the
+job as ``cancelled`` and its ``steps`` stop growing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from dgemma.errors import DGemmaError
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+PRETRAINED = "gemma3-270m"
+HEARTBEAT_S = 2.0  # an SSE comment while a step takes longer, so a dead client is noticed
+SUDOKU_HINT = ("train one with `dgemma train --cfg=configs/sudoku_small.py --cfg.workdir=checkpoints/sudoku_small` "
+               "or pass --sudoku-checkpoint DIR")
+
+
+@dataclass
+class Limits:
+    """What one request may ask for; every refusal message quotes the limit it hit."""
+
+    max_steps: int = 512  # denoising steps per canvas
+    max_canvases: int = 16  # text canvases per request
+    max_prompt_tokens: int = 1024  # text prompts of a pretrained model (a run uses its data.prompt_len)
+    max_prompt_chars: int = 32_000  # refused before tokenising
+    max_delay_ms: int = 2000  # the slow-motion delay per step
+    max_jobs: int = 4  # sampling requests running at once
+    max_body_bytes: int = 1 << 20
+
+
+class Cancelled(Exception):
+    """Raised inside the sampler's ``on_step`` hook when the job's client has gone."""
+
+
+# ----------------------------------------------------------------------------------- models
+@dataclass
+class ModelInfo:
+    """What the page needs to know about a model, readable without loading its weights."""
+
+    source: str
+    kind: str  # "run" (a training workdir) or "pretrained" (gemma3-270m, a HF folder, a .gguf)
+    process: str  # "absorbing" or "uniform"
+    canvas_size: int
+    max_canvases: int  # the default canvas count of a text request
+    prompt_len: int  # the longest prompt accepted, in tokens
+    max_positions: int
+    defaults: dict
+    entropy_threshold: float = 0.05
+    task: str | None = None
+    cfg: Any = None  # a run's Config (None for a pretrained model)
+
+    @property
+    def step_types(self) -> list[str]:
+        from dgemma.diffusion.steps import STEPS
+
+        return [s for s in STEPS if s != "ddim" or self.process == "uniform"]  # ddim needs uniform noise
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "kind": self.kind, "process": self.process, "canvas_size": self.canvas_size,
+                "max_canvases": self.max_canvases, "prompt_len": self.prompt_len, "task": self.task,
+                "pin_clues": bool(self.cfg is not None and getattr(self.cfg.data, "pin_clues", False)),
+                "step_types": self.step_types, "defaults": self.defaults}
+
+
+@dataclass
+class Engine:
+    """A loaded model ready to sample."""
+
+    info: ModelInfo
+    model: Any
+    tokenizer: Any
+    noise: Any
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        ids = (self.tokenizer.eos_id, getattr(self.tokenizer, "end_of_turn_id", None))
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
+    from dgemma.diffusion.steps import STEPS
+    from dgemma.eval.harness import max_canvases
+
+    e = cfg.eval_ds
+    defaults = {"step_type": e.step_type if e.step_type in STEPS else "commit",
+                "num_steps": min(e.steps[0], limits.max_steps),
+                "temperature": e.temperature, "early_stopping": e.early_stopping or "none", "threshold": 0.9}
+    max_pos = cfg.model.max_position_embeddings
+    return ModelInfo(str(workdir), "run", cfg.diffusion.process, cfg.diffusion.canvas_size,
+                     min(max_canvases(cfg), limits.max_canvases), cfg.data.prompt_len, max_pos, defaults,
+                     e.entropy_threshold, cfg.data.task, cfg)
+
+
+def _pretrained_info(source: str, limits: Limits, max_positions: int = 32_768) -> ModelInfo:
+    defaults = {"step_type": "confidence", "num_steps": 32, "temperature": 0.0, "early_stopping": "none",
+                "threshold": 0.9}
+    return ModelInfo(source, "pretrained", "uniform", 32, 4, limits.max_prompt_tokens, max_positions, defaults)
+
+
+def is_run(source) -> bool:
+    """A training workdir: ``config.json`` and ``checkpoints/`` (a Hugging Face folder has a
+    ``config.json`` too, but weights beside it instead of checkpoints)."""
+    p = Path(source)
+    return (p / "config.json").is_file() and ((p / "checkpoints").is_dir() or not any(p.glob("*.safetensors")))
+
+
+class ModelSlot:
+    """One panel's model: described from its source at once, loaded (once) on first use.
+
+    ``source`` is a training workdir, ``"gemma3-270m"``, a Hugging Face Gemma 3 folder or a
+    ``.gguf``; ``engine`` hands over a model already built (tests). Loading is serialised by a
+    lock, so concurrent first requests load it once.
+    """
+
+    def __init__(self, role: str, source: str | Path | None, *, limits: Limits, device: str | None = None,
+                 engine: Engine | None = None, hint: str = ""):
+        self.role, self.limits, self.device, self.hint = role, limits, device, hint
+        self.source = None if source is None else str(source)
+        self._engine = engine
+        self._info: ModelInfo | None = engine.info if engine else None
+        self._lock = threading.Lock()
+        self.load_error: str | None = None
+        self.load_seconds: float | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._engine is not None
+
+    def info(self) -> ModelInfo:
+        """The model's description; DGemmaError when there is no usable source."""
+        if self._info is not None:
+            return self._info
+        if self.source is None:
+            raise DGemmaError(f"no {self.role} model is configured" + (f": {self.hint}" if self.hint else ""))
+        src = Path(self.source)
+        if is_run(src):
+            from dgemma.training.config import load_config
+
+            self._info = _run_info(src, load_config(src / "config.json"), self.limits)
+        elif self.source == PRETRAINED or src.exists():
+            self._info = _pretrained_info(self.source, self.limits)
+        else:
+            raise DGemmaError(f"no {self.role} model at {self.source}" + (f": {self.hint}" if self.hint else ""))
+        return self._info
+
+    def describe(self) -> dict:
+        try:
+            info = self.info().as_dict()
+            error = self.load_error
+        except DGemmaError as e:
+            info, error = {"source": self.source}, str(e)
+        return {"role": self.role, "available": error is None or self.loaded, "loaded": self.loaded,
+                "error": error, **info}
+
+    def get(self) -> Engine:
+        """The loaded engine (blocking; call from a worker thread)."""
+        if self._engine is not None:
+            return self._engine
+        with self._lock:
+            if self._engine is None:
+                info = self.info()
+                t0 = time.perf_counter()
+                log.info("loading the %s model from %s", self.role, info.source)
+                try:
+                    self._engine = self._load(info)
+                except DGemmaError as e:
+                    self.load_error = str(e)
+                    raise
+                self.load_seconds, self.load_error = time.perf_counter() - t0, None
+                log.info("loaded the %s model in %.1f s", self.role, self.load_seconds)
+        return self._engine
+
+    def _load(self, info: ModelInfo) -> Engine:
+        if info.kind == "run":
+            from dgemma.training.runs import load_run
+
+            run = load_run(info.source, device=self.device)
+            return Engine(info, run.model, run.tokenizer, run.noise())
+        from dgemma.diffusion.corruption import UniformNoise
+        from dgemma.diffusion.schedules import get_schedule
+        from dgemma.models.weights import load_pretrained
+
+        model, tokenizer = load_pretrained(info.source)
+        if tokenizer is None:
+            raise DGemmaError(f"{info.source} has no tokenizer.json: the text panel needs one")
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = model.to(device).eval()
+        info.max_positions = model.config.max_position_embeddings
+        return Engine(info, model, tokenizer, UniformNoise(model.config.vocab_size, get_schedule("linear")))
+
+
+# ----------------------------------------------------------------------------------- jobs
+@dataclass
+class Job:
+    id: int
+    kind: str
+    cancel: threading.Event = field(default_factory=threading.Event)
+    steps: int = 0  # denoising steps completed
+    status: str = "running"  # running | done | cancelled | failed
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "kind": self.kind, "steps": self.steps, "status": self.status,
+                "seconds": (self.ended or time.time()) - self.started}
+
+
+class Jobs:
+    """The sampling jobs: at most ``max_running`` at once; outcome counts; the latest 50."""
+
+    def __init__(self, max_running: int):
+        self.max_running = max_running
+        self._lock = threading.Lock()
+        self._next = 1
+        self.running: dict[int, Job] = {}
+        self.recent: deque[Job] = deque(maxlen=50)
+        self.counts = {"started": 0, "done": 0, "cancelled": 0, "failed": 0}
+        self.closing = False  # set by stop_all_jobs: no new job starts
+
+    def start(self, kind: str) -> Job | None:
+        with self._lock:
+            if self.closing or len(self.running) >= self.max_running:
+                return None
+            job = Job(self._next, kind)
+            self._next += 1
+            self.running[job.id] = job
+            self.recent.append(job)
+            self.counts["started"] += 1
+            return job
+
+    def finish(self, job: Job, status: str) -> None:
+        with self._lock:
+            if job.status != "running":
+                return
+            job.status, job.ended = status, time.time()
+            self.running.pop(job.id, None)
+            self.counts[status] += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"running": len(self.running), "max_running": self.max_running, **self.counts,
+                    "jobs": [j.as_dict() for j in reversed(self.recent)][:20]}
+
+
+def stop_all_jobs(app: FastAPI) -> None:
+    """Cancel every running job and start no new one (the server is stopping): their streams
+    end with an ``error`` event at the next step, so connections close without waiting."""
+    jobs: Jobs = app.state.jobs
+    with jobs._lock:
+        jobs.closing = True
+        running = list(jobs.running.values())
+    for job in running:
+        job.cancel.set()
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose Content-Length is over ``limit`` bytes gets 413 unread."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            size = dict(scope.get("headers") or []).get(b"content-length", b"")
+            if size.isdigit() and int(size) > self.limit:
+                response = _bad(f"the request body is {int(size)} bytes; the limit is {self.limit}", 413)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class JobStream(StreamingResponse):
+    """A streaming response that cancels its job however the response ends (disconnect included)."""
+
+    def __init__(self, content, job: Job, **kw):
+        super().__init__(content, **kw)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel.set()
+
+
+def _sse(event: str, data: dict) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def stream_job(executor: ThreadPoolExecutor, jobs: Jobs, job: Job, work: Callable) -> JobStream:
+    """Run ``work(emit)`` in ``executor`` and stream what it emits; ``emit(event, data)`` raises
+    :class:`Cancelled` once the job is cancelled."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def put(item) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is gone (server shutting down)
+            job.cancel.set()
+
+    def emit(event: str, data: dict) -> None:
+        if job.cancel.is_set():
+            raise Cancelled
+        put(_sse(event, data))
+
+    def runner() -> None:
+        status = "failed"
+        try:
+            work(emit)
+            status = "done"
+        except Cancelled:
+            status = "cancelled"
+            if jobs.closing:
+                put(_sse("error", {"error": "the server is shutting down"}))
+        except DGemmaError as e:
+            put(_sse("error", {"error": str(e)}))
+        except Exception as e:  # a bug: tell the page, keep the trace in the log
+            log.exception("sampling job %d failed", job.id)
+            put(_sse("error", {"error": f"internal error: {type(e).__name__}: {e}"}))
+        finally:
+            jobs.finish(job, "cancelled" if status == "failed" and job.cancel.is_set() else status)
+            put(None)
+
+    executor.submit(runner)
+
+    async def body():
+        getter = None
+        try:
+            while True:
+                if getter is None:
+                    getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=HEARTBEAT_S)
+                if not done:
+                    yield b": working\n\n"
+                    continue
+                item, getter = getter.result(), None
+                if item is None:
+                    break
+                yield item
+        finally:
+            job.cancel.set()
+            if getter is not None:
+                getter.cancel()
+
+    return JobStream(body(), job, media_type="text/event-stream",
+                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ----------------------------------------------------------------------------------- requests
+class SampleParams(BaseModel):
+    """Sampler settings; unset ones take the model's defaults (``/api/info``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_type: str | None = None
+    num_steps: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
+    early_stopping: str | None = None  # none | entropy | stable_confident
+    threshold: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)  # the confidence step's
+    delay_ms: int = Field(0, ge=0)  # slow motion: a pause after every step, for watching
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+
+class SolveRequest(SampleParams):
+    puzzle: str = Field(max_length=4096)
+
+
+class TextRequest(SampleParams):
+    prompt: str
+    max_canvases: int | None = Field(None, ge=1)
+
+
+def _bad(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query")]
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "json_invalid":
+            msg = "the request body is not valid JSON"
+        elif err.get("type") == "missing":
+            msg = "is required"
+        elif err.get("type") == "extra_forbidden":
+            msg = "is not a known setting"
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+@dataclass
+class Plan:
+    """A validated request: the sampler settings, the prompt ids and any pinned canvas tokens."""
+
+    settings: dict
+    prompt_ids: list[int]
+    step: Any
+    stop: Any
+    max_canvases: int
+    seed: int
+    delay_s: float
+    hints: list[int] | None = None  # [max_canvases * C] token ids pinned in the canvas, -1 = free
+
+
+def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: Limits,
+              max_canvases: int | None = None) -> Plan:
+    """Validate the settings against the model and the limits; DGemmaError says what is wrong."""
+    from dgemma.diffusion.steps import STEPS, build_step
+    from dgemma.diffusion.stopping import STOPPING, build_stopping
+
+    info, d = engine.info, engine.info.defaults
+    step_type = req.step_type or d["step_type"]
+    if step_type not in info.step_types:
+        why = " (it needs uniform noise; this model uses absorbing noise)" if step_type == "ddim" else ""
+        raise DGemmaError(f"step_type {step_type!r} is not available for this model{why}; "
+                          f"choose one of {', '.join(info.step_types)}")
+    num_steps = req.num_steps or d["num_steps"]
+    if num_steps > limits.max_steps:
+        raise DGemmaError(f"num_steps {num_steps} is over the limit of {limits.max_steps}")
+    temperature = d["temperature"] if req.temperature is None else req.temperature
+    rule = req.early_stopping or d["early_stopping"]
+    if rule not in STOPPING:
+        raise DGemmaError(f"early_stopping {rule!r} is unknown; choose one of {', '.join(STOPPING)}")
+    if req.delay_ms > limits.max_delay_ms:
+        raise DGemmaError(f"delay_ms {req.delay_ms} is over the limit of {limits.max_delay_ms}")
+    n_canvas = info.max_canvases if max_canvases is None else max_canvases
+    if n_canvas > limits.max_canvases:
+        raise DGemmaError(f"max_canvases {n_canvas} is over the limit of {limits.max_canvases}")
+    if len(prompt_ids) > info.prompt_len:
+        raise DGemmaError(f"the prompt is too long: {len(prompt_ids)} tokens; the limit is {info.prompt_len} tokens")
+    if len(prompt_ids) + n_canvas * info.canvas_size > info.max_positions:
+        raise DGemmaError(f"{len(prompt_ids)} prompt tokens plus {n_canvas} canvases of {info.canvas_size} exceed "
+                          f"the model's {info.max_positions} positions; ask for fewer canvases")
+    kw = {"noise": engine.noise, "temperature": temperature}
+    if step_type == "confidence":
+        kw["threshold"] = d.get("threshold", 0.9) if req.threshold is None else req.threshold
+    accepted = inspect.signature(STEPS[step_type]).parameters
+    step = build_step(step_type, **{k: v for k, v in kw.items() if k in accepted})
+    stop = build_stopping(rule, **({"threshold": info.entropy_threshold} if rule == "entropy" else {}))
+    seed = random.randrange(2**31) if req.seed is None else req.seed
+    settings = {"step_type": step_type, "num_steps": num_steps, "temperature": temperature, "early_stopping": rule,
+                "threshold": kw.get("threshold"), "max_canvases": n_canvas, "canvas_size": info.canvas_size,
+                "seed": seed, "delay_ms": req.delay_ms, "prompt_tokens": len(prompt_ids)}
+    return Plan(settings, prompt_ids, step, stop, n_canvas, seed, req.delay_ms / 1000)
+
+
+def sudoku_hints(engine: Engine, puzzle: str) -> list[int] | None:
+    """The clues pinned in the canvas, for a run trained with ``data.pin_clues`` (else None),
+    built by the trainer's own rule (``dgemma/data/build.py:hint_fn``). It reads only the
+    puzzle's clues, so any digits stand in for the unknown solution."""
+    cfg = engine.info.cfg
+    if cfg is None or not getattr(cfg.data, "pin_clues", False):
+        return None
+    from dgemma.data.build import hint_fn
+
+    fn = hint_fn(cfg, engine.tokenizer)
+    filler = puzzle.replace("0", "1")
+    return list(fn({"puzzle": puzzle, "solution": filler}, engine.tokenizer.encode(filler)))
+
+
+def encode_user_prompt(engine: Engine, record: dict) -> list[int]:
+    """The chat-formatted prompt ids (with BOS), never truncated: too long is the caller's error."""
+    from dgemma.data.chat import render_prompt
+
+    return engine.tokenizer.encode(render_prompt(engine.tokenizer, record), add_bos=True)
+
+
+# ----------------------------------------------------------------------------------- sampling
+class Progress:
+    """The sampler's ``on_step`` hook for one prompt: counts forwards, honours cancel and delay,
+    and turns each step into ``(canvas, step, t, pieces, emitted)`` for :meth:`emit_step`.
+
+    ``pieces`` are ``(token, settled)`` per canvas position: a settled position shows its token,
+    a noisy one the model's current guess (its argmax). Settled means committed, or for the
+    ``ddim`` step (which commits nothing) equal to the guess. ``emitted`` is the canvas the
+    sampler emits when this step ends it (its tokens after the last step, the argmax on an early
+    stop), else None.
+    """
+
+    def __init__(self, job: Job, plan: Plan, emit: Callable, piece: Callable[[int], str]):
+        self.job, self.plan, self.emit, self.piece = job, plan, emit, piece
+        self.commits = plan.settings["step_type"] != "ddim"
+        self.num_steps = plan.settings["num_steps"]
+        self.forwards = 1  # the prefill
+        self.canvas = 0
+        self.earlier: list[int] = []  # tokens emitted by finished canvases
+        self.t0 = time.perf_counter()
+        self.slept = 0.0
+        self.canvas_committed = 0  # committed positions of the current canvas (pinned ones included)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __call__(self, *, canvas, step, t, rows, tokens, committed, argmax, done) -> None:
+        if self.job.cancel.is_set():
+            raise Cancelled
+        if canvas != self.canvas:
+            self.canvas, self.forwards = canvas, self.forwards + 1  # the previous canvas's re-encode
+        self.forwards += 1
+        self.job.steps += 1
+        toks, com, guess = tokens[0].tolist(), committed[0].tolist(), argmax[0].tolist()
+        self.canvas_committed = sum(com)
+        pieces = [(x, True) if (c if self.commits else x == g) else (g, False) for x, c, g in zip(toks, com, guess)]
+        emitted = (toks if step == self.num_steps - 1 else guess) if bool(done[0]) else None
+        self.emit_step(canvas, step, t, pieces, emitted)
+        if emitted is not None:
+            self.earlier += emitted
+        if self.plan.delay_s > 0:
+            t1 = time.perf_counter()
+            cancelled = self.job.cancel.wait(self.plan.delay_s)
+            self.slept += time.perf_counter() - t1
+            if cancelled:
+                raise Cancelled
+
+    def emit_step(self, canvas, step, t, pieces, emitted) -> None:
+        raise NotImplementedError
+
+    def common(self, canvas: int, step: int, t: float) -> dict:
+        return {"canvas": canvas, "step": step + 1, "num_steps": self.num_steps, "t": round(t, 4),
+                "canvas_committed": self.canvas_committed, "forwards": self.forwards,
+                "elapsed": round(self.elapsed() - self.slept, 4),
+                "slept": round(self.slept, 3)}
+
+    def stats(self, result) -> dict:
+        s = result.stats()
+        compute = max(s["seconds"] - self.slept, 1e-9)
+        return {"tokens": s["tokens"], "forward_passes": s["forward_passes"],
+                "tokens_per_forward": round(s["tokens_per_forward"], 4),
+                "tokens_per_second": round(s["tokens"] / compute, 2), "seconds": round(compute, 4),
+                "delay_seconds": round(self.slept, 3), "steps_used": result.steps_used[0],
+                "mean_steps_per_canvas": round(s["mean_steps_per_canvas"], 3)}
+
+
+def run_sampler(engine: Engine, plan: Plan, on_step: Progress):
+    from dgemma.diffusion.sampler import CanvasSampler
+
+    t = plan.settings["temperature"]
+    sampler = CanvasSampler(noise=engine.noise, step=plan.step, num_steps=plan.settings["num_steps"],
+                            canvas_size=engine.info.canvas_size, max_canvases=plan.max_canvases, stop=plan.stop,
+                            stop_ids=engine.stop_ids, temperature=t if t > 0 else 1.0, on_step=on_step)
+    dev = engine.device
+    ids = torch.tensor([plan.prompt_ids], dtype=torch.long, device=dev)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    if engine.model.config.attn_implementation == "flex" and ids.shape[1] < engine.info.prompt_len:
+        pad = engine.info.prompt_len - ids.shape[1]  # flex kernels are compiled for the trained shape
+        ids = torch.cat([ids, ids.new_full((1, pad), engine.tokenizer.pad_id or 0)], 1)
+        valid = torch.cat([valid, valid.new_zeros((1, pad))], 1)
+    gen = torch.Generator(device=dev).manual_seed(plan.seed)
+    hints = None
+    if plan.hints is not None:
+        width = plan.max_canvases * engine.info.canvas_size
+        hints = torch.tensor([(plan.hints + [-1] * width)[:width]], dtype=torch.long, device=dev)
+    return sampler(engine.model, ids, valid, generator=gen, **({} if hints is None else {"hints": hints}))
+
+
+class SudokuProgress(Progress):
+    def __init__(self, *a, puzzle: str, stop_ids, **kw):
+        super().__init__(*a, **kw)
+        self.puzzle, self.stop_ids = puzzle, stop_ids
+
+    def cells(self, pieces) -> list[list[str]]:
+        from dgemma.eval.visualize import Frame, sudoku_cells
+
+        frame = Frame([(x, True) for x in self.earlier] + list(pieces), "")
+        return [[d, k] for d, k in sudoku_cells(frame, self.puzzle, self.piece, self.stop_ids)]
+
+    def emit_step(self, canvas, step, t, pieces, emitted) -> None:
+        cells = self.cells(pieces)
+        settled = sum(k == "committed" for _, k in cells)
+        self.emit("step", {**self.common(canvas, step, t), "cells": cells, "settled": settled,
+                           "tokens_per_forward": round(settled / self.forwards, 4)})
+
+
+def solve_work(engine: Engine, plan: Plan, job: Job, puzzle: str) -> Callable:
+    from dgemma.data.sudoku import count_clues, extract_digits, grid_error
+    from dgemma.eval.visualize import token_piece
+
+    def work(emit):
+        emit("start", {"puzzle": puzzle, "clues": count_clues(puzzle), **plan.settings})
+        progress = SudokuProgress(job, plan, emit, token_piece(engine.tokenizer), puzzle=puzzle,
+                                  stop_ids=engine.stop_ids)
+        result = run_sampler(engine, plan, progress)
+        tokens = result.tokens[0]
+        progress.earlier = []
+        cells = [[d, "empty" if k == "noisy" else k] for d, k in progress.cells([(x, True) for x in tokens])]
+        text = engine.tokenizer.decode(tokens)
+        pred = extract_digits(text)
+        if pred is None:
+            verdict, solved = f"not a solution: the output holds {sum(c.isdigit() for c in text)} digits, not 81", False
+        else:
+            changed = [i for i, (p, a) in enumerate(zip(puzzle, pred)) if p != "0" and p != a]
+            err = grid_error(pred)
+            if changed:
+                i = changed[0]
+                verdict = (f"not a solution: the model's answer contradicts {len(changed)} clue(s), the first at "
+                           f"row {i // 9 + 1}, column {i % 9 + 1} (the board keeps the clues)")
+            elif err:
+                verdict = f"not a valid solution: {err}"
+            else:
+                verdict = "solved: a valid grid that keeps every clue"
+            solved = not changed and err is None
+        emit("done", {"cells": cells, "solution": pred, "solved": solved, "verdict": verdict,
+                      "stats": progress.stats(result)})
+
+    return work
+
+
+class TextProgress(Progress):
+    def __init__(self, *a, stop_ids, **kw):
+        super().__init__(*a, **kw)
+        self.stop_ids = stop_ids
+
+    def emit_step(self, canvas, step, t, pieces, emitted) -> None:
+        settled = sum(s for _, s in pieces) + len(self.earlier)
+        self.emit("step", {**self.common(canvas, step, t), "tokens": [[self.piece(x), s] for x, s in pieces],
+                           "tokens_per_forward": round(settled / self.forwards, 4)})
+        if emitted is not None:
+            cut = next((n + 1 for n, x in enumerate(emitted) if x in self.stop_ids), None)
+            self.emit("canvas", {"canvas": canvas, "steps": step + 1, "ended": cut is not None,
+                                 "tokens": [[self.piece(x), True] for x in emitted[:cut]]})
+
+
+def text_work(engine: Engine, plan: Plan, job: Job, prompt: str) -> Callable:
+    from dgemma.eval.visualize import token_piece
+
+    def work(emit):
+        emit("start", {"prompt": prompt, **plan.settings})
+        progress = TextProgress(job, plan, emit, token_piece(engine.tokenizer), stop_ids=engine.stop_ids)
+        result = run_sampler(engine, plan, progress)
+        tokens = result.tokens[0]
+        emit("done", {"text": engine.tokenizer.decode(tokens), "stats": progress.stats(result),
+                      "ended": bool(tokens) and tokens[-1] in engine.stop_ids})
+
+    return work
+
+
+# ----------------------------------------------------------------------------------- the app
+def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small",
+               text: str | Path | Engine | None = PRETRAINED, device: str | None = None,
+               limits: Limits | None = None) -> FastAPI:
+    """The playground app.
+
+    ``sudoku`` and ``text`` are each a training workdir, ``"gemma3-270m"`` (text), a Hugging
+    Face Gemma 3 folder or ``.gguf`` (text), a ready :class:`Engine`, or None for no model.
+    Nothing is loaded here: each model loads on its panel's first request.
+    """
+    limits = limits or Limits()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        stop_all_jobs(app)
+        app.state.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="dgemma playground", docs_url=None, redoc_url=None, lifespan=lifespan)
+    slot = lambda role, src, hint="": ModelSlot(  # noqa: E731
+        role, None if isinstance(src, Engine) else src, limits=limits, device=device,
+        engine=src if isinstance(src, Engine) else None, hint=hint)
+    app.state.limits = limits
+    app.state.models = {"sudoku": slot("sudoku", sudoku, SUDOKU_HINT), "text": slot("text", text)}
+    app.state.jobs = Jobs(limits.max_jobs)
+    app.state.executor = ThreadPoolExecutor(max_workers=limits.max_jobs, thread_name_prefix="dgemma-sample")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return _bad(_validation_message(exc))
+
+    @app.exception_handler(DGemmaError)
+    async def _user_error(request: Request, exc: DGemmaError):
+        return _bad(str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):  # still JSON, so the page can show it
+        log.exception("request %s %s failed", request.method, request.url.path)
+        return _bad(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def index():
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon():
+        return Response(status_code=204)
+
+    @app.get("/api/info")
+    def info():
+        return {"models": {k: s.describe() for k, s in app.state.models.items()},
+                "limits": {k: getattr(limits, k) for k in ("max_steps", "max_canvases", "max_prompt_chars",
+                                                             "max_delay_ms", "max_jobs")},
+                "difficulties": ["easy", "medium", "hard"]}
+
+    @app.get("/api/status")
+    def status():
+        return app.state.jobs.snapshot()
+
+    @app.get("/api/sudoku/random")
+    def random_puzzle(difficulty: str = "medium", seed: int | None = Query(None, ge=0, le=2**63 - 1)):
+        from dgemma.data.sudoku import generate_puzzles
+
+        if difficulty not in ("easy", "medium", "hard"):
+            return _bad(f"difficulty must be easy, medium or hard, got {difficulty!r}")
+        seed = random.randrange(2**31) if seed is None else seed
+        rec = generate_puzzles(1, seed=seed, difficulty=difficulty)[0]
+        return {"puzzle": rec["puzzle"], "clues": rec["clues"], "difficulty": rec["difficulty"], "seed": seed}
+
+    async def _engine(role: str) -> Engine | JSONResponse:
+        s: ModelSlot = app.state.models[role]
+        try:
+            return await run_in_threadpool(s.get)
+        except DGemmaError as e:
+            return _bad(f"the {role} model is not available: {e}", 503)
+        except Exception as e:  # a broken checkpoint, out of memory...: say so, keep the trace in the log
+            log.exception("loading the %s model failed", role)
+            s.load_error = f"{type(e).__name__}: {e}"
+            return _bad(f"the {role} model failed to load: {s.load_error}", 503)
+
+    def _start(kind: str, make_work) -> JSONResponse | JobStream:
+        jobs: Jobs = app.state.jobs
+        job = jobs.start(kind)
+        if job is None and jobs.closing:
+            return _bad("the server is shutting down", 503)
+        if job is None:
+            return _bad(f"the server is busy: {jobs.max_running} sampling requests are running (the limit); "
+                        f"try again when one ends", 503)
+        return stream_job(app.state.executor, jobs, job, make_work(job))
+
+    @app.post("/api/sudoku/solve")
+    async def solve(req: SolveRequest):
+        from dgemma.data.sudoku import SYSTEM_PROMPT, format_prompt, parse_puzzle
+
+        try:
+            puzzle = parse_puzzle(req.puzzle)
+        except DGemmaError as e:
+            return _bad(str(e))
+        engine = await _engine("sudoku")
+        if isinstance(engine, JSONResponse):
+            return engine
+        try:
+            ids = encode_user_prompt(engine, {"system": SYSTEM_PROMPT, "prompt": format_prompt(puzzle)})
+            plan = make_plan(engine, req, ids, limits)
+            plan.hints = sudoku_hints(engine, puzzle)
+            plan.settings["pinned_clues"] = plan.hints is not None
+        except DGemmaError as e:
+            return _bad(str(e))
+        return _start("sudoku", lambda job: solve_work(engine, plan, job, puzzle))
+
+    @app.post("/api/text/generate")
+    async def generate(req: TextRequest):
+        if not req.prompt.strip():
+            return _bad("the prompt is empty")
+        if len(req.prompt) > limits.max_prompt_chars:
+            return _bad(f"the prompt is too long: {len(req.prompt)} characters; the limit is "
+                        f"{limits.max_prompt_chars} characters")
+        if req.max_canvases is not None and req.max_canvases > limits.max_canvases:
+            return _bad(f"max_canvases {req.max_canvases} is over the limit of {limits.max_canvases}")
+        engine = await _engine("text")
+        if isinstance(engine, JSONResponse):
+            return engine
+        try:
+            ids = await run_in_threadpool(encode_user_prompt, engine, {"prompt": req.prompt})
+            plan = make_plan(engine, req, ids, limits, req.max_canvases)
+        except DGemmaError as e:
+            return _bad(str(e))
+        return _start("text", lambda job: text_work(engine, plan, job, req.prompt))
+
+    return app

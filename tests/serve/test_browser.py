@@ -1,0 +1,123 @@
+"""A real headless Chromium drives the playground: it loads the page, solves a puzzle with the
+shipped Sudoku checkpoint (``checkpoints/sudoku_small``; a tiny run trained here when it is not
+there yet), sees the board change at least twice before it is complete, and saves screenshots
+in the test's output folder (``playground.png``: the whole page when done, ``sudoku_midsolve.png``:
+the board halfway). Set ``DGEMMA_SCREENSHOT_DIR`` to copy them somewhere (docs/img).
+
+Needs Chromium (Debian: ``apt-get install -y chromium``) and ``pip install playwright``; the
+browser that ``playwright install`` downloads is not used. Skipped, with the reason, without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the playground needs fastapi and uvicorn")
+pytest.importorskip("uvicorn", reason="the playground needs fastapi and uvicorn")
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the browser itself comes from "
+                                                            "apt-get install chromium)")
+
+CHROMIUM = os.environ.get("DGEMMA_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+if not Path(CHROMIUM).is_file():
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium, or set DGEMMA_CHROMIUM)",
+                allow_module_level=True)
+
+from dgemma.data.sudoku import generate_puzzles  # noqa: E402
+from dgemma.serve.app import create_app, is_run  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "checkpoints" / "sudoku_small"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+# Records the board after every DOM change: digits ('.' when empty), each cell's kind initial
+# (c clue, k committed, n noisy, e empty) and the board state.
+OBSERVE = """() => {
+  const board = document.getElementById('board');
+  window.__snaps = [];
+  const snap = () => {
+    const cells = Array.from(board.children);
+    return {digits: cells.map(c => c.textContent || '.').join(''),
+            kinds: cells.map(c => ({clue: 'c', committed: 'k', noisy: 'n', empty: 'e'})[c.dataset.kind]).join(''),
+            state: board.dataset.state};
+  };
+  new MutationObserver(() => {
+    const s = snap(), last = window.__snaps[window.__snaps.length - 1];
+    if (!last || last.digits !== s.digits || last.kinds !== s.kinds || last.state !== s.state) window.__snaps.push(s);
+  }).observe(board, {subtree: true, childList: true, characterData: true, attributes: true});
+}"""
+
+
+@pytest.fixture(scope="module")
+def sudoku_checkpoint(request) -> Path:
+    if is_run(SHIPPED):
+        return SHIPPED
+    return request.getfixturevalue("tiny_run")
+
+
+def test_browser_solves_a_puzzle_step_by_step(sudoku_checkpoint, live_server, tmp_path):
+    server = live_server(create_app(sudoku=sudoku_checkpoint, text=None, device="cpu"))
+    puzzle = generate_puzzles(1, seed=11, difficulty="easy")[0]["puzzle"]
+    profile = tempfile.mkdtemp(prefix="dgemma-chromium-")  # a fresh user data dir
+    with sync_api.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=ARGS, headless=True,
+                                                   viewport={"width": 1280, "height": 1000})
+        try:
+            page = ctx.new_page()
+            problems = []
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(server.url + "/")
+            page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+            assert "training run" in page.inner_text("#s-model")
+
+            # a bad puzzle gets the server's message in the page
+            page.fill("#puzzle", puzzle[:80])
+            page.click("#solve")
+            page.wait_for_selector("#board[data-state='error']", timeout=30_000)
+            assert "puzzle must have 81 cells" in page.inner_text("#s-error")
+
+            page.fill("#puzzle", puzzle)
+            page.select_option("#s-step_type", "commit")
+            page.fill("#s-num_steps", "81")
+            page.fill("#s-temperature", "0")
+            page.select_option("#s-early_stopping", "none")
+            page.fill("#s-delay_ms", "40")  # slow motion, so every step is painted
+            page.evaluate(OBSERVE)
+            page.click("#solve")
+            page.wait_for_function("Number(document.getElementById('board').dataset.step) >= 56", timeout=60_000)
+            page.locator("#s-output").screenshot(path=str(tmp_path / "sudoku_midsolve.png"))
+            page.wait_for_selector("#board[data-state='done']", timeout=120_000)
+            assert page.is_hidden("#s-error")
+            page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
+            snaps = page.evaluate("window.__snaps")
+            status, verdict = page.inner_text("#s-status"), page.inner_text("#s-verdict")
+        finally:
+            ctx.close()
+            shutil.rmtree(profile, ignore_errors=True)
+
+    assert not problems, problems
+    clues = [i for i, ch in enumerate(puzzle) if ch != "0"]
+    # the board changed at least twice while still incomplete (noisy cells left) ...
+    partial = {(s["digits"], s["kinds"]) for s in snaps if s["state"] == "solving" and "n" in s["kinds"]}
+    assert len(partial) >= 2, f"the board changed only {len(partial)} time(s) before completing"
+    committed = [s["kinds"].count("k") for s in snaps if s["state"] == "solving"]
+    assert committed[-1] > committed[0]  # cells were committed one step after another
+    # ... and ended complete: nothing noisy, clues kept (a cell stays empty only if the model's
+    # answer ended early, which the tiny stand-in model may do)
+    final = snaps[-1]
+    assert final["state"] == "done" and set(final["kinds"]) <= {"c", "k", "e"}
+    assert all(final["digits"][i] == puzzle[i] and final["kinds"][i] == "c" for i in clues)
+    assert status.startswith("done · steps 81 · 82 forwards") and verdict
+    for name in ("playground.png", "sudoku_midsolve.png"):
+        assert (tmp_path / name).stat().st_size > 5_000
+    print(f"\nscreenshots: {tmp_path / 'playground.png'} and {tmp_path / 'sudoku_midsolve.png'}")
+    if os.environ.get("DGEMMA_SCREENSHOT_DIR"):
+        out = Path(os.environ["DGEMMA_SCREENSHOT_DIR"])
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("playground.png", "sudoku_midsolve.png"):
+            shutil.copy(tmp_path / name, out / name)
