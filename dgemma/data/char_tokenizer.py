@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dgemma.errors import DGemmaError
 
 SPECIALS = ("<pad>", "<eos>", "<bos>", "<end_of_turn>", "<mask>")
-ALPHABETS = {"digits": "0123456789"}
+ALPHABETS = {"digits": "0123456789", "lower": "abcdefghijklmnopqrstuvwxyz:"}
 
 
 class CharTokenizer:
