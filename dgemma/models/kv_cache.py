@@ -42,31 +42,34 @@ class KVCache:
         return self.cursor
 
     # -- the per-layer hook used by attention ------------------------------------------------
-    def attend_keys(self, layer: int, k: Tensor, v: Tensor, write: bool) -> tuple[Tensor, Tensor]:
+    def attend_keys(self, layer: int, k: Tensor, v: Tensor, write: bool, at: int | None = None) -> tuple[Tensor, Tensor]:
         """Return the keys/values a layer attends to: filled slots followed by ``k``/``v``.
 
-        With ``write`` the new keys are stored at ``[cursor, cursor + L)`` (the cursor itself
-        moves once per forward, in :meth:`advance`); without it nothing is stored.
+        With ``write`` the new keys are stored at ``[at, at + L)`` (the cursor itself moves once
+        per forward, in :meth:`advance`); without it nothing is stored. ``at`` defaults to the
+        cursor; a checkpointed layer passes the cursor of its first run, so recomputing it in
+        backward rewrites the same slots with the same values.
         """
         n = k.shape[2]
+        start = self.cursor if at is None else at
         if write:
-            if self.cursor + n > self.max_len:
-                raise RuntimeError(f"KVCache overflow: {self.cursor} + {n} > max_len {self.max_len}")
-            if layer not in self.keys and self.cursor == 0 and n == self.max_len:
+            if start + n > self.max_len:
+                raise RuntimeError(f"KVCache overflow: {start} + {n} > max_len {self.max_len}")
+            if start == 0 and n == self.max_len:
                 self.keys[layer], self.values[layer] = k, v  # one-shot fill (training): no copy
                 return k, v
             if layer not in self.keys:
                 shape = (self.batch, k.shape[1], self.max_len, k.shape[3])
                 self.keys[layer] = k.new_zeros(shape)
                 self.values[layer] = v.new_zeros(shape)
-            self.keys[layer][:, :, self.cursor : self.cursor + n] = k
-            self.values[layer][:, :, self.cursor : self.cursor + n] = v
-            end = self.cursor + n
+            self.keys[layer][:, :, start : start + n] = k
+            self.values[layer][:, :, start : start + n] = v
+            end = start + n
             return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
         if layer not in self.keys:
             raise RuntimeError("empty KVCache: prefill it before decoding")
-        past_k = self.keys[layer][:, :, : self.cursor]
-        past_v = self.values[layer][:, :, : self.cursor]
+        past_k = self.keys[layer][:, :, :start]
+        past_v = self.values[layer][:, :, :start]
         return torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
 
     def key_info(self, q: TokenInfo) -> TokenInfo:

@@ -99,14 +99,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: MaskSpec, attend,
-                cache: KVCache | None, write: bool) -> Tensor:
+                cache: KVCache | None, write: bool, at: int | None = None) -> Tensor:
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [B, H, L, D]
         if cache is not None:
-            k, v = cache.attend_keys(self.layer, k, v, write)  # [B, Hkv, S + L, D]
+            k, v = cache.attend_keys(self.layer, k, v, write, at)  # [B, Hkv, S + L, D]
         out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap)  # [B, H, L, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -125,9 +125,9 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, mask, attend, cache, write):
+    def forward(self, x, rope, mask, attend, cache, write, at=None):
         x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), rope, mask, attend, cache, write))
+            self.self_attn(self.input_layernorm(x), rope, mask, attend, cache, write, at))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -238,12 +238,14 @@ class DiffusionGemma(nn.Module):
         }
         x = self.embed(input_ids, info, selfcond, t)
         rope = self.rope(info.positions, x.dtype)
+        at = cache.cursor if cache is not None else None
         for layer in self.model.layers:
             kind = layer.layer_type
-            if cfg.gradient_checkpointing and self.training and cache is None:
-                x = checkpoint(layer, x, rope[kind], masks[kind], attend, None, False, use_reentrant=False)
+            if cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                # recomputation in backward re-writes the same keys into the same cache slots
+                x = checkpoint(layer, x, rope[kind], masks[kind], attend, cache, write, at, use_reentrant=False)
             else:
-                x = layer(x, rope[kind], masks[kind], attend, cache, write)
+                x = layer(x, rope[kind], masks[kind], attend, cache, write, at)
         if cache is not None and write:
             cache.advance(info)
         x = self.model.norm(x)

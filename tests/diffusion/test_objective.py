@@ -74,9 +74,9 @@ def test_decoder_never_writes_the_training_cache(monkeypatch):
     writes = []
 
     class Spy(KVCache):
-        def attend_keys(self, layer, k, v, write):
+        def attend_keys(self, layer, k, v, write, at=None):
             writes.append((self.cursor, write, k.shape[2]))
-            return super().attend_keys(layer, k, v, write)
+            return super().attend_keys(layer, k, v, write, at)
 
     monkeypatch.setattr(objective_mod, "KVCache", Spy)
     model = tiny(self_conditioning=True)
@@ -160,3 +160,17 @@ def test_pinned_hints_are_never_noised_scored_or_resampled():
         for row in range(2):
             got = torch.tensor(res.tokens[row])
             assert torch.equal(got[::2], hint[row, :C:2]), step
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    b = make_batch()
+    grads = []
+    for ckpt in (False, True):
+        model = tiny(self_conditioning=True).train()
+        model.config.gradient_checkpointing = ckpt
+        terms = objective(selfcond_prob=1.0)(model, b, torch.Generator().manual_seed(0))
+        (terms.diffusion_sum / terms.diffusion_count + terms.ar_sum / terms.ar_count).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=1e-12)
