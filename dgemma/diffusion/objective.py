@@ -47,6 +47,7 @@ class Plan:
     selfcond_rows: Tensor | None  # [B] rows self-conditioned on a first pass
     diffusion_count: int
     ar_count: int
+    first_pass: bool = False  # run the detached pass even if no row uses it (FSDP: all ranks alike)
 
 
 @dataclass
@@ -179,7 +180,7 @@ class DiffusionObjective:
         xt, noisy, t = plan.xt, plan.noisy, plan.t
         selfcond = None
         use = plan.selfcond_rows
-        if model.self_conditioning is not None and use is not None and use.any():
+        if model.self_conditioning is not None and use is not None and (use.any() or plan.first_pass):
             with torch.no_grad():
                 h0 = model(xt, info=noisy, cache=cache, t=t, return_hidden=True)
                 signal = expected_embedding(h0.reshape(-1, h0.shape[-1]), weight, softcap=softcap)

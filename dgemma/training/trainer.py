@@ -78,6 +78,11 @@ class TrainModule(nn.Module):
     def forward(self, batch: dict, plan) -> dict:
         return vars(self.objective.run(self.model, batch, plan))
 
+    def runs_first_pass(self, plan) -> bool:
+        """Whether the objective runs its detached self-conditioning pass on this micro-batch."""
+        rows = plan.selfcond_rows
+        return self.model.self_conditioning is not None and rows is not None and bool(rows.any())
+
 
 def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, seed: int, rank: int, world: int,
                clip_norm: float | None, ar_weight: float, objective: DiffusionObjective,
@@ -88,10 +93,19 @@ def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, 
     averages gradients over ranks: the gradient is exactly that of one big batch.
     """
     plans = [objective.plan(b, step_generator(seed, step, m, rank, world, len(batches))) for m, b in enumerate(batches)]
-    counts = torch.tensor([[pl.diffusion_count, pl.ar_count] for pl in plans], dtype=torch.float64).sum(0)
+    inner = getattr(module, "module", module)  # DDP wraps; FSDP2 and plain modules do not
+    stats = torch.tensor([[pl.diffusion_count, pl.ar_count, inner.runs_first_pass(pl)] for pl in plans],
+                         dtype=torch.float64)  # [micro, (diffusion tokens, AR tokens, first pass)]
     if world > 1:
-        dist.all_reduce(counts)
-    d_norm, a_norm = counts.tolist()
+        dist.all_reduce(stats)
+    d_norm, a_norm = stats[:, :2].sum(0).tolist()
+    if world > 1 and _is_fsdp(module):
+        # FSDP2 needs every rank to run the same passes over the same parameters: each layer
+        # forward is an all-gather, and a parameter group reduce-scatters only the parameters
+        # that got a gradient. So when any rank self-conditions, every rank runs the first pass
+        # (rows that do not use it get the zero signal: same values, zero gradients).
+        for pl, anywhere in zip(plans, stats[:, 2].tolist()):
+            pl.first_pass = anywhere > 0
     logged = torch.zeros(2, dtype=torch.float64)
     optimizer.zero_grad(set_to_none=True)
     for micro, batch in enumerate(batches):
@@ -104,7 +118,7 @@ def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, 
     if world > 1:
         dist.all_reduce(logged)
     params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:  # unused this step (no row self-conditioned): zero, as DDP's all-reduce leaves it
+    for p in params:  # unused this step (no row self-conditioned): zero, so AdamW treats it alike on any world size
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if clip_norm:
@@ -121,6 +135,12 @@ def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, 
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return out
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def _grad_sync(module: nn.Module, sync: bool):
@@ -205,12 +225,13 @@ def estimate_memory(model: nn.Module, cfg: Config) -> dict[str, int]:
     seq = cfg.data.prompt_len + cfg.diffusion.num_canvases * cfg.diffusion.canvas_size
     dec = cfg.diffusion.canvas_size * (1 if cfg.diffusion.decode == "one" else cfg.diffusion.num_canvases)
     tokens = b * (seq + dec)
-    # Activation checkpointing is not counted: the model checkpoints only cache-free passes, and
-    # every pass of the training objective runs against the KV cache.
     per_token_layer = 10 * mc.hidden_size + 3 * mc.intermediate_size + 4 * mc.num_attention_heads * mc.head_dim
+    layers_live = mc.num_hidden_layers
+    if cfg.train.activation_checkpointing:  # layer inputs kept, one layer's internals live at a time
+        per_token_layer, layers_live = mc.hidden_size, 1
     scores = 0
     if mc.attn_implementation == "eager":
-        scores = b * mc.num_attention_heads * (seq + dec) * seq * 4 * mc.num_hidden_layers
+        scores = b * mc.num_attention_heads * (seq + dec) * seq * 4 * layers_live
     opt = {"adamw": 2 * n_train * 4, "adafactor": n_train * 4 // 64}[cfg.optim.name]
     return {
         "weights": n_all * 4,
@@ -398,6 +419,8 @@ class Trainer:
         set_model_state_dict(self.module, {f"model.{k}": v for k, v in state["model"].items()}, options=opts)
         set_optimizer_state_dict(self.module, self.optimizer, state["optim"],
                                  options=StateDictOptions(full_state_dict=True))
+        for group in self.optimizer.param_groups:  # the round trip turns tuples (betas) into lists
+            group.update({k: tuple(v) for k, v in group.items() if isinstance(v, list) and k != "params"})
         if weights_only:
             return
         extra = state["extra"]
