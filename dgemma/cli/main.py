@@ -11,6 +11,7 @@ from dgemma.errors import DGemmaError
 VERBS = {
     "prepare": "dgemma.cli.prepare",
     "train": "dgemma.cli.train",
+    "solve": "dgemma.cli.solve",
     "eval": "dgemma.cli.eval",
     "plot": "dgemma.cli.plot",
     "export": "dgemma.cli.export",

@@ -582,6 +582,15 @@ def write_splits(out_dir, *, csv=None, n: int | None = None, seed: int = 0, diff
     return meta
 
 
+def puzzle_hint(puzzle: str, tokenizer) -> list[int]:
+    """The clue tokens of ``puzzle`` at their cells, ``-1`` at blanks (needs one token per cell)."""
+    ids = tokenizer.encode(puzzle)
+    if len(ids) != 81:
+        raise DGemmaError("pinning Sudoku clues needs one token per cell (data.tokenizer='digits'); this "
+                          f"tokenizer maps the 81 cells to {len(ids)} tokens")
+    return [tok if puzzle[i] != "0" else -1 for i, tok in enumerate(ids)]
+
+
 def clue_hint(record: dict, response_ids: list[int], tokenizer) -> list[int]:
     """Pin the clues of ``record["puzzle"]`` in the solution canvas (infilling): token ids where
     the puzzle has a digit, ``-1`` at blanks.
@@ -593,4 +602,4 @@ def clue_hint(record: dict, response_ids: list[int], tokenizer) -> list[int]:
     if len(response_ids) < 81 or tokenizer.decode(response_ids[:81]) != solution:
         raise DGemmaError("pinning Sudoku clues needs one token per cell (data.tokenizer='digits'); "
                           "this tokenizer does not map the 81 solution digits to 81 tokens")
-    return [tok if puzzle[i] != "0" else -1 for i, tok in enumerate(response_ids[:81])]
+    return puzzle_hint(puzzle, tokenizer)
