@@ -484,7 +484,7 @@ class Trainer:
             bar.update(1)
             if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
                 self.save()
-            if self.hooks and ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
+            if self.hooks and self.rank == 0 and ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
                                or self.step == cfg.train.steps):
                 for hook in self.hooks:
                     self.log.scalars(self.step, hook(self, self.step), prefix="eval")
