@@ -150,7 +150,8 @@ def test_load_sharded_bf16_folder(tmp_path):
     model, tok = load_pretrained(tmp_path, attn_implementation="eager")
     assert tok is None  # no tokenizer.json in the folder
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16  # dtype=None keeps the checkpoint's
-    assert model.rotary[F].inv_freq.dtype == torch.float32  # rotary frequencies never rounded to bf16
+    cos, _ = model.rotary[F].table(torch.device("cpu"), 8)
+    assert cos.dtype == torch.float32  # the rotary table is never rounded to bf16
     # compare with transformers' own bf16 load: ``hf.to(bf16)`` would have rounded its inv_freq
     ref = Gemma3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="eager").eval()
     torch.testing.assert_close(logits_ours(model), logits_hf(ref), rtol=0, atol=0)
