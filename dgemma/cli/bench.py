@@ -1,0 +1,114 @@
+"""``dgemma bench SUITE [--out results/] [--quick] [--sudoku-workdir DIR] [--budget S] [--repeats N]
+[--no-profile]``
+
+SUITE is ``decode``, ``loss``, ``attention``, ``train``, ``gpu`` or ``all`` (every suite in that
+order; ``gpu`` notes and skips itself without a CUDA device). Each suite prints its table and its
+ratios and writes ``<out>/<suite>.json``; ``all`` also writes ``<out>/all.json`` with every ratio.
+Figures are medians over timed repeats after warm-up, and every comparison is a ratio against a
+baseline measured in the same process (docs/benchmarks.md).
+
+``--quick`` runs each suite on a tiny random model in seconds (what the tests run): the numbers
+mean nothing, the tables and JSON have their full shape. ``--budget`` caps each suite's seconds
+(rows beyond it are skipped and listed); the defaults keep ``all`` under 15 minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# Idle OpenMP threads sleep instead of spinning. On a shared CPU (other processes on the same
+# cores) spinning threads make every parallel region wait for a descheduled peer: measured here,
+# a tiny model's training step took 80 ms with 2 spinning threads, 4 ms with passive ones. It has
+# to be set before torch (and its OpenMP runtime) is loaded, i.e. here; an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from dgemma.errors import DGemmaError  # noqa: E402
+
+CHOICES = ("decode", "loss", "attention", "train", "gpu", "all")
+ALL = ("decode", "loss", "attention", "train", "gpu")
+# ``all`` on a CPU: seconds for the suites' rows together (model loading and start-up come on top),
+# shared in proportion to each suite's own default, so the whole run stays under 15 minutes
+ALL_BUDGET_S = 750.0
+SHARE = {"decode": 400.0, "loss": 100.0, "attention": 80.0, "train": 170.0, "gpu": 0.0}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dgemma bench", description="benchmarks with in-process baselines")
+    p.add_argument("suite", choices=CHOICES)
+    p.add_argument("--out", default="results", help="folder for <suite>.json (default: results/)")
+    p.add_argument("--quick", action="store_true", help="tiny random model, seconds: checks the plumbing only")
+    p.add_argument("--sudoku-workdir", default=None,
+                   help="trained Sudoku run for the decode suite (default: checkpoints/sudoku_small)")
+    p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")
+    p.add_argument("--device", default=None, help="torch device (default: cpu; the gpu suite uses cuda)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's, = cores)")
+    args = p.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        raise DGemmaError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.budget is not None and args.budget <= 0:
+        raise DGemmaError(f"--budget must be > 0 seconds, got {args.budget}")
+    return args
+
+
+def _print_result(result: dict) -> None:
+    from dgemma.bench.common import ratios_table
+
+    for t in result["tables"]:
+        print(t, end="\n\n")
+    if result["ratios"]:
+        print(ratios_table(result), end="\n\n")
+    for n in result["notes"]:
+        print(f"note: {n}")
+    if result["skipped"]:
+        print(f"skipped ({len(result['skipped'])}): " + "; ".join(result["skipped"]))
+    print(f"[{result['suite']}: {result['seconds']:.0f} s]", flush=True)
+
+
+def run(argv: list[str]) -> int:
+    import torch
+
+    from dgemma.bench import attention, decode, gpu, loss, train
+    from dgemma.bench.common import Context, jsonable, write_result
+
+    args = parse(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    modules = {"decode": decode, "loss": loss, "attention": attention, "train": train, "gpu": gpu}
+    ctx = Context(out=Path(args.out), quick=args.quick, profile="quick" if args.quick else "cpu",
+                  device=args.device or "cpu", budget_s=args.budget, repeats=args.repeats,
+                  do_profile=not args.no_profile, sudoku_workdir=args.sudoku_workdir)
+    if ctx.device.startswith("cuda") and not args.quick and args.suite != "gpu":
+        ctx.profile = "gpu"
+    torch.manual_seed(0)
+    suites = ALL if args.suite == "all" else (args.suite,)
+    started = time.perf_counter()
+    summary = {"suites": {}, "ratios": [], "command": "dgemma bench " + " ".join(argv)}
+    plan_all = args.suite == "all" and args.budget is None and not args.quick and ctx.profile == "cpu"
+    for i, name in enumerate(suites):
+        if plan_all:
+            spent = time.perf_counter() - started
+            left = sum(SHARE[n] for n in suites[i:]) or 1.0
+            ctx.budget_s = max(20.0, (ALL_BUDGET_S - spent) * SHARE[name] / left) if SHARE[name] else None
+        result = modules[name].run(ctx)
+        result["command"] = summary["command"]
+        path = write_result(result, ctx.out)
+        _print_result(result)
+        print(f"wrote {path}\n", flush=True)
+        summary["suites"][name] = {"json": str(path), "seconds": result["seconds"], "skipped": len(result["skipped"])}
+        summary["ratios"] += [{**r, "name": f"{name}: {r['name']}"} for r in result["ratios"]]
+        if name == "decode":  # the 270M and its transformers twin are not needed by later suites
+            ctx.cache.clear()
+    if args.suite == "all":
+        summary["seconds"] = time.perf_counter() - started
+        ctx.out.mkdir(parents=True, exist_ok=True)
+        (ctx.out / "all.json").write_text(json.dumps(jsonable(summary), indent=2) + "\n")
+        print(f"dgemma bench all: {summary['seconds']:.0f} s, {len(summary['ratios'])} ratios; wrote {ctx.out / 'all.json'}")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,213 @@
+"""``dgemma bench``: every suite runs in ``--quick`` mode (a tiny random model, seconds) and writes
+its table and a JSON with the expected keys and ratio fields; the timing and memory helpers are
+checked on their own. Nothing here asserts a speed: ``--quick`` numbers mean nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dgemma.bench import common
+from dgemma.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+SUITES = ("decode", "loss", "attention", "train", "gpu")
+HEAD = {"suite", "schema", "date", "command", "quick", "profile", "machine", "method", "settings", "rows", "ratios",
+        "profiles", "notes", "skipped", "tables", "seconds"}
+
+
+@pytest.fixture(scope="module")
+def quick_all(tmp_path_factory):
+    """``dgemma bench all --quick`` once for the module, as a user runs it (a fresh process, so the
+    CLI's OpenMP setting applies before torch loads): (out dir, printed text)."""
+    out = tmp_path_factory.mktemp("bench")
+    r = subprocess.run([sys.executable, "-m", "dgemma", "bench", "all", "--quick", "--out", str(out),
+                        "--sudoku-workdir", str(out / "no-such-run")],
+                       capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r.stdout
+
+
+@pytest.fixture
+def one_thread():
+    """In-process suites run single-threaded: on a shared 2-core machine two spinning OpenMP
+    threads can make tiny models many times slower (the CLI avoids it; pytest loaded torch first)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _load(out: Path, suite: str) -> dict:
+    return json.loads((out / f"{suite}.json").read_text())
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_every_suite_writes_json_with_the_common_head(quick_all, suite):
+    out, _ = quick_all
+    r = _load(out, suite)
+    assert HEAD <= set(r), HEAD - set(r)
+    assert r["suite"] == suite and r["quick"] is True
+    assert {"nproc", "cpu_model", "torch_threads", "torch", "load_average"} <= set(r["machine"])
+    assert "median" in r["method"]["timing"] and r["method"]["memory"]
+    for ratio in r["ratios"]:
+        assert {"name", "value", "baseline", "higher_is_better", "worse_than_baseline"} <= set(ratio)
+
+
+def test_all_prints_tables_and_ratios_and_writes_a_summary(quick_all):
+    out, text = quick_all
+    for title in ("== decode:", "== loss:", "== attention:", "== train:", "ratios (x > 1"):
+        assert title in text
+    summary = json.loads((out / "all.json").read_text())
+    assert set(summary["suites"]) == set(SUITES)
+    assert summary["ratios"] and all(r["name"].split(":")[0] in SUITES for r in summary["ratios"])
+
+
+def test_decode_rows_and_ratios(quick_all):
+    r = _load(quick_all[0], "decode")
+    kinds = {row["kind"] for row in r["rows"]}
+    assert {"ar", "hf_generate", "diffusion", "diffusion_nocache"} <= kinds
+    diff = [row for row in r["rows"] if row["kind"] == "diffusion"]
+    assert {row["step"] for row in diff} == {"ddim", "commit", "confidence"}
+    assert {row["early_stop"] for row in diff} == {False, True}
+    assert {row["batch"] for row in r["rows"]} == {1, 4}
+    for row in r["rows"]:
+        assert {"median_s", "times_s", "repeats", "tokens", "forward_passes", "tokens_per_forward",
+                "tokens_per_s"} <= set(row)
+        assert row["median_s"] > 0 and row["repeats"] >= 1
+    for row in diff:
+        if row["prompt_len"] == r["settings"]["lm"]["prompt_len"]:  # (the cache comparison uses a longer prompt)
+            assert row["vs_ar"] is not None and row["vs_hf"] is not None
+        assert row["tokens"] == row["batch"] * 8  # no stop token: every row emits the whole canvas
+        assert row["forward_passes"] == row["batch"] * (1 + row["steps"])  # prefill + one per step
+    nocache = next(row for row in r["rows"] if row["kind"] == "diffusion_nocache")
+    assert nocache["cache_speedup"] is not None
+    hf = next(row for row in r["rows"] if row["kind"] == "hf_generate")
+    assert hf["greedy_tokens_equal_to_ours"] == 1.0  # same weights, same greedy tokens
+    assert any("kv-cache vs no cache" in x["name"] for x in r["ratios"])
+    assert any("vs transformers generate" in x["name"] for x in r["ratios"])
+    assert any("Sudoku part skipped" in n for n in r["notes"])  # no run at --sudoku-workdir: a note, no failure
+
+
+def test_loss_rows_pair_full_and_chunked(quick_all):
+    r = _load(quick_all[0], "loss")
+    timed = [row for row in r["rows"] if not row.get("memory_only")]
+    assert {row["impl"] for row in timed} == {"full", "chunked"}
+    for row in timed:
+        assert row["peak_bytes"] > 0 and row["largest_tensor_bytes"] > 0
+    chunked = [row for row in r["rows"] if row["impl"] == "chunked"]
+    assert all(row["memory_saving"] is not None for row in chunked)
+    assert all(row["loss_rel_diff"] < 1e-5 for row in chunked if "loss_rel_diff" in row)
+    # the chunked loss never holds [N, V]: its largest tensor is [chunk, V] fp32, the full one's grows with N
+    n_max = max(row["tokens"] for row in timed)
+    full = next(row for row in timed if row["impl"] == "full" and row["tokens"] == n_max and not row["weight_grad"])
+    ch = next(row for row in timed if row["impl"] == "chunked" and row["tokens"] == n_max and not row["weight_grad"])
+    assert full["largest_tensor_bytes"] == n_max * r["settings"]["vocab"] * 4
+    assert ch["largest_tensor_bytes"] == r["settings"]["chunk_tokens"] * r["settings"]["vocab"] * 4
+    assert any(row.get("memory_only") for row in r["rows"])
+
+
+def test_attention_backends_agree_and_have_ratios(quick_all):
+    r = _load(quick_all[0], "attention")
+    assert {row["backend"] for row in r["rows"]} == {"eager", "sdpa", "flex"}
+    assert {row["mode"] for row in r["rows"]} == {"train", "decode"}
+    for row in r["rows"]:
+        if row["backend"] != "eager":
+            assert row["vs_eager"] is not None
+            assert row["max_abs_diff"] < 1e-4
+
+
+def test_train_compares_the_same_step(quick_all):
+    r = _load(quick_all[0], "train")
+    rows = {(row["kind"], row["impl"]): row for row in r["rows"]}
+    assert set(rows) == {(k, i) for k in ("causal_lm", "diffusion") for i in ("dgemma", "transformers+peft")}
+    for kind in ("causal_lm", "diffusion"):
+        d = rows[(kind, "dgemma")]
+        assert d["speed"] is not None and d["memory_saving"] is not None
+        assert d["loss_rel_diff"] < 1e-4  # step 0 is the base model on both sides: the same loss
+        assert d["flops_per_step"] > 0 and d["peak_bytes"] > 0
+    assert r["settings"]["trainable_params"]["dgemma"] == r["settings"]["trainable_params"]["transformers+peft"]
+
+
+def test_gpu_suite_without_cuda_is_a_note(quick_all):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    r = _load(quick_all[0], "gpu")
+    assert r["skipped"] and "no CUDA device" in r["notes"][0]
+
+
+def test_decode_with_a_sudoku_run_puts_accuracy_next_to_speed(tmp_path, one_thread):
+    """The Sudoku part on an untrained ``configs/sudoku_small.py`` model (accuracy ~0: the keys matter)."""
+    from dgemma.bench import decode
+    from dgemma.training.config import load_config
+    from dgemma.training.runs import Run
+    from dgemma.training.trainer import build_model
+
+    cfg = load_config(REPO / "configs" / "sudoku_small.py")
+    model, tok = build_model(cfg)
+    run = Run(cfg, model.eval(), tok, 0, tmp_path / "checkpoints" / "step_0")
+    ctx = common.Context(out=tmp_path, quick=True, profile="quick", verbose=False, do_profile=False)
+    r = decode.run(ctx, sudoku_run=run)
+    rows = [row for row in r["rows"] if row["model"] == "sudoku"]
+    diff = [row for row in rows if row["kind"] == "diffusion"]
+    assert {row["step"] for row in diff} == {"commit", "confidence"}  # absorbing noise: no ddim
+    for row in diff:
+        assert {"accuracy", "cell_accuracy", "tokens_per_s", "vs_ar", "n_puzzles"} <= set(row)
+        assert 0.0 <= row["accuracy"] <= 1.0
+    assert {row["kind"] for row in rows} >= {"ar", "hf_generate"}
+    assert any(name.startswith("sudoku most accurate") for name in (x["name"] for x in r["ratios"]))
+    assert any("accuracy next to speed" in t for t in r["tables"])
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def test_memory_tracker_counts_new_tensors_not_views_of_old_ones():
+    w = torch.randn(1000, 64)
+    h = torch.randn(256, 64)
+
+    def f():
+        z = h @ w.T  # new [256, 1000] fp32: 1,024,000 bytes; w.T is a view of a tensor made before
+        y = z.relu()  # a second one while z is alive
+        del z
+        return y.sum()
+
+    peak, largest = common.peak_memory(f)
+    assert peak == 2 * 256 * 1000 * 4 and largest == 256 * 1000 * 4
+
+
+def test_measure_takes_the_median_and_caps_repeats():
+    calls = []
+    m = common.measure(lambda: calls.append(1) or len(calls), warmup=2, repeats=5)
+    assert len(calls) == 7 and m.repeats == 5 and m.warmup == 2 and m.result == 7
+    assert m.median_s == sorted(m.times_s)[2]
+    m = common.measure(lambda: sum(range(20000)), warmup=0, repeats=50, max_seconds=0.0)
+    assert m.repeats == 1  # the cap stops after the first timed call
+    ms = common.measure_interleaved({"a": lambda: 1, "b": lambda: 2}, repeats=3)
+    assert ms["a"].repeats == ms["b"].repeats == 3 and ms["b"].result == 2
+
+
+def test_table_and_ratio_helpers():
+    text = common.format_table([{"a": "x", "b": 1.23456, "c": None}], [("a", "A"), ("b", "B"), ("c", "C")], title="T")
+    assert text.splitlines()[0] == "T" and "1.235" in text and text.rstrip().endswith("-")
+    assert common.ratio(2.0, 4.0) == 0.5 and common.ratio(1.0, 0.0) is None and common.ratio(None, 1.0) is None
+    r = {"ratios": []}
+    common.add_ratio(r, "x", 0.5, baseline="b")
+    assert r["ratios"][0]["worse_than_baseline"] is True
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    assert main(["bench", "decode", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_gpu_script_refuses_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bench.py")], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == 1
+    assert "no CUDA device" in r.stdout + r.stderr
