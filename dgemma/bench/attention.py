@@ -39,7 +39,7 @@ SIZES = {
                   row_cap_s=3.0, dtype="float32", backward=False),
     "cpu": dict(layers=6, train_lengths=(128, 512, 1024), decode_lengths=(128, 512, 2048), canvas=32, batch=1,
                 repeats=3, row_cap_s=6.0, dtype="float32", backward=False),
-    "gpu": dict(layers=18, train_lengths=(512, 2048, 8192), decode_lengths=(512, 2048, 8192), canvas=64, batch=4,
+    "gpu": dict(layers=18, train_lengths=(512, 2048, 8192), decode_lengths=(512, 2048, 8192), canvas=64, batch=1,
                 repeats=5, row_cap_s=6.0, dtype="bfloat16", backward=True),
 }
 BUDGET_S = {"quick": None, "cpu": 120.0, "gpu": 150.0}
@@ -174,7 +174,10 @@ def run(ctx: Context) -> dict:
                 outs[name] = call().float()
                 fns[name] = call
             except Exception as e:  # noqa: BLE001 - a back-end that cannot run here is a finding, not a crash
-                result["notes"].append(f"{mode} L={L} {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+                result["notes"].append(f"{mode} L={L} {name}: failed ({type(e).__name__}: "
+                                       f"{str(e).splitlines()[0][:200]})")
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # e.g. eager attention's L x L scores out of memory
         ms = measure_interleaved(fns, repeats=reps, max_seconds=cap, device=dev)
         for name, m in ms.items():
             rec = m.record()

@@ -140,7 +140,8 @@ class DiffusionObjective:
         else:
             x0, sel, info = canvas_ids, chosen_tok, canvas_info
         free = sel if hint is None else sel & (hint < 0)
-        xt = self.noise.q_sample(x0, t, generator=generator, where=free)
+        # draws use the (CPU) step generator, so a plan is the same on any device
+        xt = self.noise.q_sample(x0.cpu(), t.cpu(), generator=generator, where=free.cpu()).to(dev)
         target = free & (xt != x0) if self.loss_on == "noised" else free
         use = torch.rand(b, generator=generator).to(dev) < self.selfcond_prob if self.selfcond_prob > 0 else None
         valid = torch.cat([batch["prompt_valid"].bool(), batch["canvas_valid"].bool()], 1)
