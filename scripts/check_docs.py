@@ -203,18 +203,24 @@ class Checker:
     def public_symbols(self, package: str):
         for path in sorted((self.root / package).rglob("*.py")):
             rel = path.relative_to(self.root).as_posix()
-            tree = ast.parse(path.read_text(), rel)
-            exported = None
-            for node in tree.body:
-                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
-                    try:
-                        exported = set(ast.literal_eval(node.value))
-                    except ValueError:
-                        pass
-            for node in tree.body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    if not node.name.startswith("_") and (exported is None or node.name in exported):
-                        yield rel, node.name
+            for name, _ in public_definitions(ast.parse(path.read_text(), rel)):
+                yield rel, name
+
+
+def public_definitions(tree: ast.Module):
+    """``(name, node)`` of a module's public functions and classes: not ``_``-prefixed, and listed
+    in a literal ``__all__`` when the module has one (also the API page's rule)."""
+    exported = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            try:
+                exported = set(ast.literal_eval(node.value))
+            except ValueError:
+                pass
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if not node.name.startswith("_") and (exported is None or node.name in exported):
+                yield node.name, node
 
 
 def markdown_files(root: Path) -> list[Path]:

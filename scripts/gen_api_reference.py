@@ -34,6 +34,9 @@ import sys
 import tokenize
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_docs import public_definitions  # noqa: E402  (one rule for "public", shared with the checker)
+
 API_PAGE = "docs/reference/api.md"
 CONFIG_PAGE = "docs/reference/config.md"
 CONFIG_MODULE = "dgemma/training/config.py"
@@ -86,21 +89,6 @@ def summary(doc: str | None) -> str:
 
 
 # ------------------------------------------------------------------------------------ public API
-def public_definitions(tree: ast.Module):
-    """``(name, node)`` of the public module-level functions and classes (check_docs' rule)."""
-    exported = None
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
-            try:
-                exported = set(ast.literal_eval(node.value))
-            except ValueError:
-                pass
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            if not node.name.startswith("_") and (exported is None or node.name in exported):
-                yield node.name, node
-
-
 def _kind(node: ast.AST) -> str:
     """``class``, or ``function `name(a, b, *, c)``` (parameter names only: no annotations or
     defaults, which the source and the docstring give)."""
