@@ -109,7 +109,7 @@ class CanvasSampler:
         cache = None
         if self.use_cache:
             cache = KVCache(b, p + self.max_canvases * c)
-            model(prompt_ids, info=prefix_info, cache=cache)
+            model(prompt_ids, info=prefix_info, cache=cache, return_hidden=True)  # keys only: no LM head
 
         grid = time_grid(self.num_steps, t_max=self.t_max)
         embed = model.model.embed_tokens.weight
@@ -191,7 +191,7 @@ class CanvasSampler:
                               torch.ones_like(canvas, dtype=torch.bool))
             if self.use_cache:
                 cache = cache.select(keep.nonzero().squeeze(1))
-                model(canvas, info=clean, cache=cache)  # append: the encoder pass over the clean canvas
+                model(canvas, info=clean, cache=cache, return_hidden=True)  # append: encoder pass, keys only
                 for r in active.tolist():
                     fwd[r] += 1
             else:
@@ -231,9 +231,9 @@ def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_toke
     dev = prompt_ids.device
     prompt_valid = prompt_valid.bool()
     cache = KVCache(b, p + max_new_tokens)
-    logits = model(prompt_ids, info=TokenInfo.clean(prompt_valid), cache=cache)
+    hidden = model(prompt_ids, info=TokenInfo.clean(prompt_valid), cache=cache, return_hidden=True)
     last = prompt_valid.long().sum(-1) - 1
-    logits = logits[torch.arange(b, device=dev), last]  # [B, V]
+    logits = model.logits(hidden[torch.arange(b, device=dev), last])  # [B, V]: the LM head on one position per row
     pos = last + 1
     out: list[list[int]] = [[] for _ in range(b)]
     fwd = [1] * b
