@@ -59,9 +59,10 @@ class LossTerms:
     ar_sum: Tensor
     ar_count: Tensor
 
-    def objective(self, diffusion_norm: Tensor | float, ar_norm: Tensor | float, ar_weight: float) -> Tensor:
+    def objective(self, diffusion_norm: Tensor | float, ar_norm: Tensor | float, ar_weight: float,
+                  diffusion_weight: float = 1.0) -> Tensor:
         """The scalar to back-propagate, normalised by *global* token counts (clamped to >= 1)."""
-        loss = self.diffusion_sum / max(float(diffusion_norm), 1.0)
+        loss = diffusion_weight * self.diffusion_sum / max(float(diffusion_norm), 1.0)
         if ar_weight:
             loss = loss + ar_weight * self.ar_sum / max(float(ar_norm), 1.0)
         return loss
@@ -105,9 +106,13 @@ def compact_valid(valid: Tensor) -> Tensor:
 
 class DiffusionObjective:
     def __init__(self, *, noise, canvas_size: int, t_eps: float = 1e-4, selfcond_prob: float = 0.5,
-                 ar_loss_weight: float = 1.0, decode: str = "one", chunk_tokens: int = 1024, loss_on: str = "all"):
+                 ar_loss_weight: float = 1.0, decode: str = "one", chunk_tokens: int = 1024, loss_on: str = "all",
+                 diffusion_loss_weight: float = 1.0):
         if loss_on not in ("all", "noised"):
             raise ValueError(f"loss_on must be 'all' or 'noised', got {loss_on!r}")
+        if not diffusion_loss_weight and not ar_loss_weight:
+            raise ValueError("diffusion_loss_weight and ar_loss_weight are both 0: no loss")
+        self.diffusion_loss_weight = diffusion_loss_weight  # 0: AR only (no corruption, no decoder pass)
         self.loss_on = loss_on
         self.noise = noise
         self.canvas_size = canvas_size
@@ -144,6 +149,8 @@ class DiffusionObjective:
         xt = self.noise.q_sample(x0.cpu(), t.cpu(), generator=generator, where=free.cpu()).to(dev)
         target = free & (xt != x0) if self.loss_on == "noised" else free
         use = torch.rand(b, generator=generator).to(dev) < self.selfcond_prob if self.selfcond_prob > 0 else None
+        if not self.diffusion_loss_weight:  # AR only: nothing is decoded or scored by the diffusion loss
+            target, use = torch.zeros_like(target), None
         valid = torch.cat([batch["prompt_valid"].bool(), batch["canvas_valid"].bool()], 1)
         ar_count = int(valid.sum()) - int(valid.any(-1).sum()) if self.ar_loss_weight else 0
         return Plan(chosen=chosen, t=t, x0=x0, xt=xt, target=target,
@@ -177,6 +184,10 @@ class DiffusionObjective:
         else:
             ar_sum, ar_count = weight.new_zeros(()), torch.zeros((), dtype=torch.long, device=dev)
 
+        if not self.diffusion_loss_weight:  # an AR-only model: no decoder pass
+            zero = weight.new_zeros(())
+            return LossTerms(zero, torch.zeros((), dtype=torch.long, device=dev), ar_sum, ar_count)
+
         # decode the corrupted canvases, optionally self-conditioned on a detached first pass
         xt, noisy, t = plan.xt, plan.noisy, plan.t
         selfcond = None
@@ -190,4 +201,22 @@ class DiffusionObjective:
         d_sum, d_count = chunked_cross_entropy(hd.reshape(-1, hd.shape[-1]), weight, plan.x0.reshape(-1),
                                                plan.target.reshape(-1), softcap=softcap,
                                                chunk_tokens=self.chunk_tokens)
+        if not self.ar_loss_weight and hidden is not None and hidden.requires_grad and _fsdp_layers(model):
+            # Without the AR loss the encoder's output feeds no loss: its gradient arrives only
+            # through the keys and values it wrote into the cache, and the last layer's output
+            # reaches neither. FSDP2 unshards a layer for backward from a hook on that layer's
+            # *outputs*, so the last layer's encoder pass would back-propagate into resharded
+            # (freed) weights ("setStorage ... storage of size 0"). This exact-zero term puts the
+            # output in the graph: the loss gains 0.0 and the gradients zeros (only the sign of a
+            # zero can change). Not needed, and skipped (its backward costs ~1/L of the
+            # encoder's), without FSDP.
+            d_sum = d_sum + hidden.sum() * 0.0
         return LossTerms(d_sum, d_count, ar_sum, ar_count)
+
+
+def _fsdp_layers(model) -> bool:
+    """Whether the model's layers are FSDP2-sharded (``fully_shard``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and isinstance(layers[-1], FSDPModule)

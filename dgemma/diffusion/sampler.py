@@ -100,7 +100,7 @@ class CanvasSampler:
         prompt_valid = prompt_valid.bool()
         start = prompt_valid.long().sum(-1)  # [B] first canvas position per row
         out: list[list[int]] = [[] for _ in range(b)]
-        fwd = [1] * b
+        fwd = [1 if p else 0] * b  # an empty prompt (unconditional generation) has no prefill
         steps_used: list[list[int]] = [[] for _ in range(b)]
         traj = [[] for _ in range(b)] if self.record else None
 
@@ -109,7 +109,8 @@ class CanvasSampler:
         cache = None
         if self.use_cache:
             cache = KVCache(b, p + self.max_canvases * c)
-            model(prompt_ids, info=prefix_info, cache=cache, return_hidden=True)  # keys only: no LM head
+            if p:
+                model(prompt_ids, info=prefix_info, cache=cache, return_hidden=True)  # keys only: no LM head
 
         grid = time_grid(self.num_steps, t_max=self.t_max)
         embed = model.model.embed_tokens.weight
@@ -131,9 +132,9 @@ class CanvasSampler:
             ctx_cache, ctx_ids, ctx_info = cache, prefix_ids, prefix_info
             for i in range(self.num_steps):
                 t = grid[i].expand(running.numel()).to(dev)
-                if self.use_cache:
-                    logits = model(state.tokens, info=noisy[running], cache=ctx_cache, write=False,
-                                   selfcond=selfcond, t=t)
+                if self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
+                    logits = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
+                                   write=False, selfcond=selfcond, t=t)
                 else:
                     ids = torch.cat([ctx_ids, state.tokens], 1)
                     logits = model(ids, info=ctx_info.cat(noisy[running]), selfcond=_pad_left(selfcond, ctx_ids), t=t)

@@ -65,6 +65,7 @@ class DiffusionConfig:
     num_canvases: int = 1
     selfcond_prob: float = 0.5  # chance per example of the no-grad first pass
     ar_loss_weight: float = 1.0  # encoder next-token loss beside the diffusion loss; 0 = off
+    diffusion_loss_weight: float = 1.0  # 0 = an AR-only model (no corruption, no decoder pass): a baseline
     loss_chunk_tokens: int = 1024  # tokens per chunked-CE slice: peak fp32 logits = this x vocab x 4 B
     decode: Literal["one", "all"] = "one"  # canvases decoded per example: one (adapter) or all (Lite)
     loss_on: Literal["all", "noised"] = "all"  # diffusion loss on every canvas position, or corrupted ones
@@ -75,6 +76,10 @@ class DiffusionConfig:
         _fraction(self, "selfcond_prob")
         if not 0.0 <= self.t_eps < 0.5:
             raise ValueError(f"t_eps must be in [0, 0.5), got {self.t_eps}")
+        if self.ar_loss_weight < 0 or self.diffusion_loss_weight < 0:
+            raise ValueError("ar_loss_weight and diffusion_loss_weight must be >= 0")
+        if not self.ar_loss_weight and not self.diffusion_loss_weight:
+            raise ValueError("ar_loss_weight and diffusion_loss_weight are both 0: nothing to train")
 
 
 @dataclass(kw_only=True)

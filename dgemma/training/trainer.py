@@ -86,7 +86,7 @@ class TrainModule(nn.Module):
 
 def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, seed: int, rank: int, world: int,
                clip_norm: float | None, ar_weight: float, objective: DiffusionObjective,
-               autocast=nullcontext) -> dict:
+               autocast=nullcontext, diffusion_weight: float = 1.0) -> dict:
     """One optimiser step over micro-batches. Returns the step's (global) loss terms.
 
     Losses are sums divided by the step's global token counts, times ``world`` because DDP
@@ -112,7 +112,7 @@ def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, 
         torch.manual_seed(derive_seed(seed, step, micro * world + rank, 7))  # dropout (LoRA): global RNG
         with _grad_sync(module, micro == len(batches) - 1), autocast():
             terms = LossTerms(**module(batch, plans[micro]))
-            loss = terms.objective(d_norm, a_norm, ar_weight) * world
+            loss = terms.objective(d_norm, a_norm, ar_weight, diffusion_weight) * world
         loss.backward()
         logged += torch.tensor([terms.diffusion_sum.item(), terms.ar_sum.item()], dtype=torch.float64)
     if world > 1:
@@ -128,7 +128,7 @@ def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, 
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
         grad_norm = grad_norm.full_tensor()
     d_loss, a_loss = logged[0].item() / max(d_norm, 1), logged[1].item() / max(a_norm, 1)
-    out = {"diffusion_loss": d_loss, "ar_loss": a_loss, "loss": d_loss + ar_weight * a_loss,
+    out = {"diffusion_loss": d_loss, "ar_loss": a_loss, "loss": diffusion_weight * d_loss + ar_weight * a_loss,
            "grad_norm": float(grad_norm), "tokens": d_norm + a_norm}
     out["finite"] = math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])
     if out["finite"]:
@@ -204,7 +204,7 @@ def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
     d = cfg.diffusion
     return DiffusionObjective(noise=build_noise_for(cfg, model, tokenizer), canvas_size=d.canvas_size, t_eps=d.t_eps, selfcond_prob=d.selfcond_prob,
                               ar_loss_weight=d.ar_loss_weight, decode=d.decode, chunk_tokens=d.loss_chunk_tokens,
-                              loss_on=d.loss_on)
+                              loss_on=d.loss_on, diffusion_loss_weight=d.diffusion_loss_weight)
 
 
 def build_train_data(cfg: Config, tokenizer):
@@ -372,8 +372,10 @@ class Trainer:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        # self-conditioning runs only when some row of the micro-batch draws it
-        return DDP(module, device_ids=ids, find_unused_parameters=self.model.self_conditioning is not None)
+        # self-conditioning runs only when some row of the micro-batch draws it; an AR-only run
+        # (diffusion_loss_weight=0) never runs the diffusion modules a config may still have
+        unused = self.model.self_conditioning is not None or not self.cfg.diffusion.diffusion_loss_weight
+        return DDP(module, device_ids=ids, find_unused_parameters=unused)
 
     def autocast(self):
         if _use_bf16(self.cfg):
@@ -464,7 +466,7 @@ class Trainer:
             out = train_step(self.module, batches, self.optimizer, step=self.step, seed=cfg.train.seed,
                              rank=self.rank, world=self.world, clip_norm=cfg.optim.clip_norm,
                              ar_weight=cfg.diffusion.ar_loss_weight, objective=self.objective,
-                             autocast=self.autocast)
+                             autocast=self.autocast, diffusion_weight=cfg.diffusion.diffusion_loss_weight)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.step += 1

@@ -196,3 +196,32 @@ def test_cached_sampler_equals_recomputing_the_prefix(step):
     assert out[True].tokens == out[False].tokens
     assert all(len(t) == 3 * C for t in out[True].tokens)  # no stop ids: three full canvases
     assert out[True].forward_passes == [1 + 3 * 4 + 2] * 2  # prefill, 3 x 4 steps, 2 re-encodes
+
+
+def test_ar_only_objective_is_the_plain_next_token_loss():
+    """``diffusion_loss_weight=0`` (the AR baselines): no corruption, no decoder pass, no diffusion
+    tokens; the loss is the encoder's next-token loss of a causal model."""
+    from dgemma.diffusion.losses import ar_loss
+
+    model, b = tiny(), make_batch()
+    obj = objective(ar_loss_weight=1.0, diffusion_loss_weight=0.0, selfcond_prob=0.5)
+    calls = []
+    model.register_forward_hook(lambda m, args, kw, out: calls.append(kw.get("info")), with_kwargs=True)
+    plan = obj.plan(b, torch.Generator().manual_seed(0))
+    assert plan.diffusion_count == 0 and plan.selfcond_rows is None
+    terms = obj.run(model, b, plan)
+    assert len(calls) == 1 and not calls[0].noisy.any()  # the encoder only
+    assert int(terms.diffusion_count) == 0 and float(terms.diffusion_sum) == 0
+    order = compact_valid(torch.cat([b["prompt_valid"], b["canvas_valid"]], 1))
+    ids = torch.cat([b["prompt_ids"], b["canvas_ids"]], 1).gather(1, order)
+    valid = torch.cat([b["prompt_valid"], b["canvas_valid"]], 1).gather(1, order)
+    with torch.no_grad():
+        h = model(ids, info=TokenInfo.clean(valid), return_hidden=True)
+    _, want, count = ar_loss(h, model.lm_head.weight, ids, valid)
+    assert int(terms.ar_count) == int(count)
+    torch.testing.assert_close(terms.ar_sum.detach(), want, rtol=1e-12, atol=0)
+    loss = terms.objective(0, terms.ar_count, 1.0, 0.0)
+    loss.backward()
+    assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="both 0"):
+        objective(ar_loss_weight=0.0, diffusion_loss_weight=0.0)

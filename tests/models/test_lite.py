@@ -33,3 +33,19 @@ def test_lite_debug_builds_and_runs_the_objective():
     assert int(terms.diffusion_count) == 2 * n_tok
     (terms.diffusion_sum / terms.diffusion_count).backward()
     assert model.time_embedding.fc2.weight.grad.abs().sum() > 0
+
+
+def test_ar_baselines_are_the_same_backbone():
+    """configs/lite_*_ar.py: Lite's backbone (every shared field equal) with a causal encoder, no
+    diffusion modules and only the next-token loss: 343,516,160 - 1,312,768 - 1,230,848 parameters."""
+    for name, count in (("lite_343m", 340_972_544), ("lite_debug", None)):
+        lite, ar = load_config(f"configs/{name}.py"), load_config(f"configs/{name}_ar.py")
+        differ = {k for k, v in vars(lite.model).items() if getattr(ar.model, k) != v}
+        assert differ <= {"encoder_mode", "self_conditioning", "time_conditioning", "selfcond_intermediate_size",
+                          "time_freq_dim", "selfcond_variant"}
+        assert ar.model.encoder_mode == "causal" and not ar.model.self_conditioning and not ar.model.time_conditioning
+        assert ar.diffusion.diffusion_loss_weight == 0 and ar.diffusion.ar_loss_weight == 1
+        assert (ar.data, ar.optim, ar.train) == (lite.data, lite.optim, lite.train)
+        if count:
+            with torch.device("meta"):
+                assert DiffusionGemma(ar.model).num_parameters() == count

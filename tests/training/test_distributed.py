@@ -86,3 +86,26 @@ def test_fsdp2_equals_ddp(ddp, tmp_path):
     fsdp = run([*torchrun(), "--standalone", "--nproc_per_node=2", "-m", "dgemma", "train",
                 "--cfg.train.grad_accum=2", "--cfg.train.distributed=fsdp"], tmp_path / "run")
     assert_close_runs(fsdp, ddp)
+
+
+FULL_NO_AR = ["--cfg.lora.enabled=false", "--cfg.diffusion.ar_loss_weight=0"]
+
+
+def test_fsdp2_full_weights_without_ar_loss_equals_ddp(tmp_path):
+    """Lite's setting (full weights, ``ar_loss_weight=0``): the encoder's output feeds no loss, only
+    the cache does. FSDP2 failed here in backward ("setStorage ... storage of size 0") until the
+    objective put the encoder's output in the graph with an exact-zero term."""
+    cmd = [*torchrun(), "--standalone", "--nproc_per_node=2", "-m", "dgemma", "train", "--cfg.train.grad_accum=2",
+           *FULL_NO_AR]
+    ddp = run(cmd, tmp_path / "ddp")
+    fsdp = run([*cmd, "--cfg.train.distributed=fsdp"], tmp_path / "fsdp")
+    assert torch.isfinite(torch.tensor(losses(fsdp))).all()
+    wf, wd = weights(fsdp), weights(ddp)
+    # FSDP2's full state dict also names the tied LM head (the same tensor as the embedding)
+    assert set(wf) - set(wd) <= {"lm_head.weight"} and set(wd) <= set(wf)
+    if "lm_head.weight" in wf:
+        assert torch.equal(wf["lm_head.weight"], wf["model.embed_tokens.weight"])
+    assert not any("lora" in k for k in wf)
+    torch.testing.assert_close(torch.tensor(losses(fsdp)), torch.tensor(losses(ddp)), rtol=1e-5, atol=0)
+    for k in wd:
+        torch.testing.assert_close(wf[k], wd[k], rtol=1e-5, atol=1e-6, msg=k)
