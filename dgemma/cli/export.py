@@ -8,6 +8,8 @@ in side files that :func:`dgemma.load_pretrained` restores (see :func:`dgemma.mo
 A LoRA run is merged into its base first, and its adapter is also written unmerged to
 ``OUT/adapter`` in PEFT's layout, for ``PeftModel.from_pretrained(Gemma3ForCausalLM, OUT/adapter)``.
 The adapter folder gets the diffusion extras too, so base + adapter is a complete dgemma model.
+A DiffusionGemma run (a released checkpoint as base) goes back to transformers'
+``DiffusionGemmaForBlockDiffusion`` layout instead, LoRA merged.
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ def export_run(workdir: str | Path, out: str | Path, *, step: int | None = None,
     tokenizer = run.tokenizer if hasattr(run.tokenizer, "save") else None  # a char alphabet has no tokenizer.json
     info = {"workdir": str(Path(workdir).resolve()), "step": run.step, "checkpoint": str(run.path),
             "lora": run.cfg.lora.enabled, "tokenizer": tokenizer is not None}
+    from dgemma.models.hf_gemma4 import is_diffusiongemma, save_diffusiongemma
+
+    if is_diffusiongemma(run.model.config):  # back to transformers' DiffusionGemma layout, LoRA merged
+        if run.cfg.lora.enabled:
+            merge_lora(run.model)
+        save_diffusiongemma(run.model, tokenizer, out, canvas_length=run.cfg.diffusion.canvas_size)
+        info["format"] = "diffusion_gemma"
+        (out / "dgemma_export.json").write_text(json.dumps(info, indent=2) + "\n")
+        return info
     if run.cfg.lora.enabled:
         adapter = out / "adapter"
         if adapter.exists():

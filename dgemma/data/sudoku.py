@@ -72,6 +72,21 @@ def _cell(i: int) -> str:
     return f"row {_ROW[i] + 1}, column {_COL[i] + 1}"
 
 
+def structure_groups() -> list[list[int]]:
+    """``[rows, columns, boxes]``: each cell's row, column and 3x3 box (0-8), cells in reading order.
+
+    The ``canvas_position_groups`` of a model whose canvas is the 81 cells (digit tokens), so
+    every cell knows where it sits (see ``dgemma/models/structure.py``):
+
+    >>> rows, cols, boxes = structure_groups()
+    >>> rows[:12], cols[:12], boxes[:12]
+    ([0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2], [0, 0, 0, 1, 1, 1, 2, 2, 2, 0, 0, 0])
+    >>> boxes[27], boxes[80]
+    (3, 8)
+    """
+    return [list(_ROW), list(_COL), list(_BOX)]
+
+
 def difficulty(clues: int) -> str:
     """Bucket of a puzzle by its clue count (SPEC §5): easy >= 40, medium 30-39, hard < 30."""
     if clues >= 40:

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dgemma.diffusion.schedules import time_grid
-from dgemma.diffusion.steps import CanvasState
-from dgemma.diffusion.stopping import NoStop
+from dgemma.diffusion.corruption import UniformNoise
+from dgemma.diffusion.schedules import LinearSchedule, time_grid
+from dgemma.diffusion.steps import CanvasState, EntropyBoundStep
+from dgemma.diffusion.stopping import NoStop, StableAndConfident
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.selfcond import probs_embedding
@@ -46,6 +47,14 @@ class SampleResult:
     @property
     def tokens_per_forward(self) -> list[float]:
         return [len(t) / max(f, 1) for t, f in zip(self.tokens, self.forward_passes)]
+
+    def tokens_per_decoder_forward(self, pad_id: int | None = None) -> list[float]:
+        """Per row: generated tokens (``pad_id`` ones not counted) over denoising passes only.
+
+        transformers' DiffusionGemma reports this figure (``tokens_per_forward`` of its
+        ``generate``); ours above also counts the prefill and re-encode passes (SPEC §4).
+        """
+        return [sum(tok != pad_id for tok in t) / max(sum(s), 1) for t, s in zip(self.tokens, self.steps_used)]
 
     def stats(self) -> dict:
         n_tok = sum(len(t) for t in self.tokens)
@@ -146,10 +155,14 @@ class CanvasSampler:
                 is_last = i == self.num_steps - 1
                 state = self.step(state, logits, float(grid[i]), float(grid[i + 1]), generator=generator,
                                   is_last=is_last)
+                # a step with its own temperature schedule (entropy_bound) sets the temperature the
+                # self-conditioning signal and the stopping entropy read, as transformers does
+                temp = schedule(float(grid[i])) if (schedule := getattr(self.step, "schedule_temperature", None)) \
+                    else self.temperature
                 if model.self_conditioning is not None:  # T <= 0 (greedy) conditions on the plain softmax
-                    selfcond = probs_embedding(logits / (self.temperature if self.temperature > 0 else 1.0), embed)
+                    selfcond = probs_embedding(logits.float() / (temp if temp > 0 else 1.0), embed)
                 done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
-                    self.stop.update(logits, self.temperature)
+                    self.stop.update(logits, temp)
                 if self.on_step is not None:
                     self.on_step(canvas=k, step=i, t=float(grid[i]), rows=active[running].tolist(),
                                  tokens=state.tokens, committed=state.committed, argmax=logits.argmax(-1), done=done)
@@ -199,6 +212,25 @@ class CanvasSampler:
                 prefix_ids = torch.cat([prefix_ids[keep], canvas], 1)
                 prefix_info = prefix_info[keep].cat(clean)
         return SampleResult(out, fwd, steps_used, time.perf_counter() - t0, traj)
+
+
+def diffusiongemma_sampler(vocab_size: int, canvas_size: int = 256, *, max_new_tokens: int = 256,
+                           max_denoising_steps: int = 48, entropy_bound: float = 0.1, t_min: float = 0.4,
+                           t_max: float = 0.8, stability_threshold: int = 1, confidence_threshold: float = 0.005,
+                           eos_token_id: int | tuple[int, ...] = 1) -> CanvasSampler:
+    """The sampler of transformers' ``DiffusionGemmaForBlockDiffusion.generate``, argument for argument.
+
+    Its defaults are ``generate``'s (``DiffusionGemmaGenerationConfig``): with the same model,
+    prompt and seed (``torch.manual_seed(s)`` there, ``generator=torch.Generator().manual_seed(s)``
+    here) it emits the same tokens; ``SampleResult.tokens_per_decoder_forward(pad_id)`` is its
+    ``tokens_per_forward``.
+    """
+    noise = UniformNoise(vocab_size, LinearSchedule())
+    stop_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    return CanvasSampler(noise=noise, step=EntropyBoundStep(noise, entropy_bound, t_max=t_max, t_min=t_min),
+                         num_steps=max_denoising_steps, canvas_size=canvas_size,
+                         max_canvases=-(-max_new_tokens // canvas_size),
+                         stop=StableAndConfident(stability_threshold, confidence_threshold), stop_ids=stop_ids)
 
 
 def _pad_left(selfcond: Tensor | None, ctx_ids: Tensor) -> Tensor | None:

@@ -82,6 +82,7 @@ def time_grid(num_steps: int, *, t_max: float = 1.0, t_min: float = 0.0) -> Tens
         raise DGemmaError(f"num_steps must be >= 1, got {num_steps}")
     if not 0.0 <= t_min < t_max <= 1.0:
         raise DGemmaError(f"need 0 <= t_min < t_max <= 1, got t_min={t_min}, t_max={t_max}")
-    grid = torch.linspace(t_max, t_min, num_steps + 1, dtype=torch.float64)
+    # (k / N) exactly, as transformers' DiffusionGemma computes its step fraction
+    grid = t_min + (t_max - t_min) * (torch.arange(num_steps, -1, -1, dtype=torch.float64) / num_steps)
     grid[-1] = 0.0
     return grid

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from dgemma.diffusion.corruption import NoiseProcess, UniformNoise
 from dgemma.diffusion.schedules import Schedule
+from dgemma.diffusion.stopping import token_entropy
 from dgemma.errors import DGemmaError
 
 
@@ -241,6 +242,8 @@ class EntropyBoundStep:
     def temperature(self, t: float) -> float:
         return self.t_min + (self.t_max - self.t_min) * t
 
+    schedule_temperature = temperature  # the sampler conditions and stops on this temperature too
+
     def accept(self, entropy: Tensor) -> Tensor:
         """``[B, C]`` entropies -> the accepted positions (bool)."""
         sorted_h, order = torch.sort(entropy, dim=-1)
@@ -251,15 +254,12 @@ class EntropyBoundStep:
         self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
     ) -> CanvasState:
         scaled = logits.float() / self.temperature(t)
-        if is_last:
-            pred = logits.argmax(-1)
-            return replace(state, tokens=torch.where(state.committed, state.tokens, pred), prev_pred=pred)
-        logp = torch.log_softmax(scaled, -1)
-        probs = logp.exp()
-        entropy = -(probs * logp).sum(-1)
+        probs = torch.softmax(scaled, -1)
         draw = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
-        accepted = self.accept(entropy) & ~state.committed
+        accepted = self.accept(token_entropy(scaled)) & ~state.committed
         fresh = self.noise.noise_like(tuple(state.tokens.shape), generator=generator, device=state.tokens.device)
+        if is_last:  # emit the argmax canvas; the draws above keep the random stream where transformers' is
+            return replace(state, tokens=torch.where(state.committed, state.tokens, scaled.argmax(-1)), prev_pred=draw)
         tokens = torch.where(state.committed, state.tokens, torch.where(accepted, draw, fresh))
         return replace(state, tokens=tokens, prev_pred=draw)
 

@@ -30,14 +30,25 @@ class StoppingRule(Protocol):
     def select(self, rows: Tensor) -> None: ...
 
 
+def token_entropy(scaled: Tensor) -> Tensor:
+    """Per-position entropy (nats) of ``softmax(scaled)``: ``[.., V] -> [..]``.
+
+    Written exactly as ``torch.distributions.Categorical(logits=scaled).entropy()`` computes it
+    (normalised log-probabilities, clamped, times their softmax), the formula transformers'
+    DiffusionGemma uses for its accept set and its stopping rule, so the same logits give the
+    same decisions bit for bit.
+    """
+    logp = scaled - scaled.logsumexp(-1, keepdim=True)
+    return -(logp.clamp(min=torch.finfo(logp.dtype).min) * F.softmax(logp, dim=-1)).sum(-1)
+
+
 def mean_entropy(logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor:
     """Mean per-token entropy (nats, fp32) of ``softmax(logits / T)`` over ``valid`` positions: ``[B]``.
 
     Rows without a valid position get 0.
     """
     scale = temperature if temperature > 0 else 1.0
-    probs = F.softmax(logits.float() / scale, dim=-1)
-    ent = torch.special.entr(probs).sum(-1)
+    ent = token_entropy(logits.float() / scale)
     if valid is None:
         return ent.mean(-1)
     ent = ent.masked_fill(~valid, 0.0)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dgemma.models.masks import TokenInfo, attention_rule, dense_mask
+from dgemma.models.masks import TokenInfo, attention_rule, dense_mask, window_anchor
 
 BACKENDS = ("eager", "sdpa", "flex")
 
@@ -32,12 +32,13 @@ class MaskSpec:
     k: TokenInfo
     encoder: str
     window: int | None
+    anchor: str = "query"  # where sliding windows end for noisy queries (masks.window_anchor)
     _dense: Tensor | None = field(default=None, repr=False)
     _block: object = field(default=None, repr=False)
 
     def dense(self) -> Tensor:
         if self._dense is None:
-            self._dense = dense_mask(self.q, self.k, encoder=self.encoder, window=self.window)
+            self._dense = dense_mask(self.q, self.k, encoder=self.encoder, window=self.window, anchor=self.anchor)
         return self._dense
 
     def block_mask(self):
@@ -45,12 +46,13 @@ class MaskSpec:
             from torch.nn.attention.flex_attention import create_block_mask
 
             q, k, encoder, window = self.q, self.k, self.encoder, self.window
+            anchor = window_anchor(q) if self.anchor == "canvas" and window is not None else None
 
             def mask_mod(b, h, qi, ki):
                 return attention_rule(
                     q.positions[b, qi], q.blocks[b, qi], q.noisy[b, qi], q.valid[b, qi],
                     k.positions[b, ki], k.blocks[b, ki], k.noisy[b, ki], k.valid[b, ki],
-                    encoder=encoder, window=window,
+                    encoder=encoder, window=window, q_anchor=None if anchor is None else anchor[b, qi],
                 )
 
             bsz, lq = q.shape

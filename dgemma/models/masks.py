@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 ENCODER_MODES = ("causal", "block")
+WINDOW_ANCHORS = ("query", "canvas")
 
 
 @dataclass
@@ -118,6 +119,26 @@ def canvas_decode_mask(q_block: Tensor, k_block: Tensor, k_noisy: Tensor) -> Ten
     return torch.where(k_noisy, k_block == q_block, k_block < q_block)
 
 
+def window_anchor(info: TokenInfo) -> Tensor:
+    """Where each query's sliding window ends under the ``"canvas"`` anchor (DiffusionGemma's).
+
+    A clean token keeps its own position; a noisy token takes the first position of its canvas,
+    so every token of a noisy canvas sees the same ``window - 1`` context tokens before it (the
+    ones transformers' sliding KV cache still holds) and, through the decoder rule, its whole
+    canvas. Prompt ``p p p``, noisy canvas at positions 3-5:
+
+    >>> info = TokenInfo(torch.tensor([[0, 1, 2, 3, 4, 5]]), torch.tensor([[0, 0, 0, 1, 1, 1]]),
+    ...                  torch.tensor([[0, 0, 0, 1, 1, 1]]).bool(), torch.ones(1, 6, dtype=torch.bool))
+    >>> window_anchor(info)
+    tensor([[0, 1, 2, 3, 3, 3]])
+    """
+    big = torch.iinfo(torch.long).max
+    blocks = info.blocks
+    starts = torch.full((blocks.shape[0], int(blocks.max()) + 1), big, device=blocks.device)
+    starts = starts.scatter_reduce(1, blocks, torch.where(info.noisy, info.positions, big), "amin")
+    return torch.where(info.noisy, starts.gather(1, blocks), info.positions)
+
+
 def attention_rule(
     q_pos: Tensor,
     q_block: Tensor,
@@ -130,30 +151,37 @@ def attention_rule(
     *,
     encoder: str,
     window: int | None,
+    q_anchor: Tensor | None = None,
 ) -> Tensor:
     """The whole rule, elementwise and broadcastable (also used inside flex ``mask_mod``).
 
     Clean queries follow the encoder mode and never see noisy keys; noisy queries follow
     :func:`canvas_decode_mask`. Padding keys are hidden from real queries; padding queries may
-    see anything allowed, so no row is ever empty.
+    see anything allowed, so no row is ever empty. The sliding window is measured from each
+    query's position, or from ``q_anchor`` (:func:`window_anchor`) when given, where noisy
+    queries then see their whole canvas.
     """
     enc = causal_mask(q_pos, k_pos) if encoder == "causal" else block_causal_mask(q_block, k_block)
     clean_rule = enc & ~k_noisy
     allowed = torch.where(q_noisy, canvas_decode_mask(q_block, k_block, k_noisy), clean_rule)
     allowed = allowed & (k_valid | ~q_valid)
     if window is not None:
-        allowed = allowed & sliding_window_mask(q_pos, k_pos, window)
+        if q_anchor is None:
+            allowed = allowed & sliding_window_mask(q_pos, k_pos, window)
+        else:
+            allowed = allowed & ((q_noisy & k_noisy) | sliding_window_mask(q_anchor, k_pos, window))
     return allowed
 
 
-def dense_mask(q: TokenInfo, k: TokenInfo, *, encoder: str, window: int | None) -> Tensor:
+def dense_mask(q: TokenInfo, k: TokenInfo, *, encoder: str, window: int | None, anchor: str = "query") -> Tensor:
     """Materialise :func:`attention_rule` as ``[batch, q_len, k_len]`` booleans."""
     if encoder not in ENCODER_MODES:
         raise ValueError(f"encoder mode must be one of {ENCODER_MODES}, got {encoder!r}")
+    q_anchor = window_anchor(q)[:, :, None] if anchor == "canvas" and window is not None else None
     return attention_rule(
         q.positions[:, :, None], q.blocks[:, :, None], q.noisy[:, :, None], q.valid[:, :, None],
         k.positions[:, None, :], k.blocks[:, None, :], k.noisy[:, None, :], k.valid[:, None, :],
-        encoder=encoder, window=window,
+        encoder=encoder, window=window, q_anchor=q_anchor,
     )
 
 

@@ -8,18 +8,27 @@ from torch import Tensor, nn
 
 
 class RMSNorm(nn.Module):
-    """Gemma RMSNorm: fp32 normalisation, ``(1 + w)`` scale; ``with_scale=False`` has no weight."""
+    """Gemma RMSNorm: fp32 normalisation, then a learned scale; ``with_scale=False`` has no weight.
 
-    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+    ``unit_offset=True`` is Gemma 3's ``(1 + w)`` scale with ``w`` stored from zero;
+    ``unit_offset=False`` is Gemma 4's plain ``w`` stored from one (and ``mean ** -0.5`` written as
+    transformers writes it there, so fp32 results agree bit for bit).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True, unit_offset: bool = True):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim)) if with_scale else None
+        self.eps, self.unit_offset = eps, unit_offset
+        init = torch.zeros(dim) if unit_offset else torch.ones(dim)
+        self.weight = nn.Parameter(init) if with_scale else None
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
-            out = out * (1.0 + self.weight.float())
+            out = out * ((1.0 + self.weight.float()) if self.unit_offset else self.weight.float())
         return out.type_as(x)
 
 
@@ -39,14 +48,17 @@ class GeGLU(nn.Module):
 class Rotary(nn.Module):
     """Rotate-half RoPE with a cached fp32 cos/sin table, indexed by position.
 
-    ``scaling`` is the linear position-interpolation factor (Gemma 3 4B+ global layers). Tables
-    are computed in fp32 exactly as ``transformers`` does (``pos * inv_freq``), then cast to the
-    activation dtype at use, so fp64 models see the same rotary values as the reference.
+    ``scaling`` is the linear position-interpolation factor (Gemma 3 4B+ global layers).
+    ``partial < 1`` is Gemma 4's *proportional* RoPE on global layers: only the first
+    ``int(partial * head_dim // 2)`` frequency pairs rotate (with the full ``head_dim`` in the
+    exponent), the rest get frequency 0 (cos 1, sin 0), so the table keeps ``head_dim`` columns.
+    Tables are computed in fp32 exactly as ``transformers`` does (``pos * inv_freq``), then cast
+    to the activation dtype at use, so fp64 models see the same rotary values as the reference.
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: float = 1.0):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: float = 1.0, partial: float = 1.0):
         super().__init__()
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.head_dim, self.theta, self.scaling, self.partial = head_dim, theta, scaling, partial
         self.max_positions = max_positions
         self._table: tuple[Tensor, Tensor] | None = None  # not a buffer: model.to(dtype) must not round it
 
@@ -56,6 +68,8 @@ class Rotary(nn.Module):
             n = min(self.max_positions, max(1024, 1 << (needed - 1).bit_length()))
             exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device) / self.head_dim
             inv_freq = 1.0 / (self.theta ** exponent) / self.scaling
+            if self.partial < 1.0:
+                inv_freq[int(self.partial * self.head_dim // 2):] = 0.0
             freqs = torch.arange(n, device=device, dtype=torch.float)[:, None] * inv_freq[None, :]
             emb = torch.cat([freqs, freqs], -1)
             self._table = (emb.cos(), emb.sin())

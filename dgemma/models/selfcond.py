@@ -29,14 +29,14 @@ from dgemma.models.primitives import GeGLU, RMSNorm
 
 
 class SelfConditioning(nn.Module):
-    def __init__(self, dim: int, hidden: int, eps: float, variant: str = "zero_init"):
+    def __init__(self, dim: int, hidden: int, eps: float, variant: str = "zero_init", unit_offset: bool = True):
         super().__init__()
         if variant not in ("zero_init", "postnorm"):
             raise ValueError(f"self-conditioning variant must be 'zero_init' or 'postnorm', got {variant!r}")
         self.variant = variant
-        self.pre_norm = RMSNorm(dim, eps)
+        self.pre_norm = RMSNorm(dim, eps, unit_offset=unit_offset)
         self.mlp = GeGLU(dim, hidden)
-        self.post_norm = RMSNorm(dim, eps, with_scale=variant == "zero_init")
+        self.post_norm = RMSNorm(dim, eps, with_scale=variant == "zero_init", unit_offset=unit_offset)
         nn.init.zeros_(self.mlp.down_proj.weight)
 
     def forward(self, emb: Tensor, signal: Tensor | None) -> Tensor:

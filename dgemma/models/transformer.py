@@ -19,11 +19,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dgemma.errors import DGemmaError
 from dgemma.models.attention import BACKENDS, MaskSpec, get_attention
 from dgemma.models.kv_cache import KVCache
-from dgemma.models.masks import ENCODER_MODES, TokenInfo
+from dgemma.models.masks import ENCODER_MODES, WINDOW_ANCHORS, TokenInfo
+from dgemma.models.moe import Experts, Router
 from dgemma.models.primitives import GeGLU, RMSNorm, Rotary, apply_rotary
 from dgemma.models.selfcond import SelfConditioning, TimeEmbedding
+from dgemma.models.structure import CanvasPositionGroups, validate_groups
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -31,7 +34,16 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 # ------------------------------------------------------------------------------------- config
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Architecture. Defaults are the Gemma 3 270M."""
+    """Architecture. Defaults are the Gemma 3 270M.
+
+    The Gemma 4 fields (all off by default) describe the released DiffusionGemma's backbone:
+    ``norm_unit_offset=False`` (plain ``w`` RMSNorm scales), wider global heads with their own
+    KV-head count, keys reused as values on global layers, a scale-free RMSNorm on values,
+    proportional RoPE (``rope_global_partial_factor``), a per-layer output scalar, and experts
+    beside the dense MLP (``num_experts > 0``). ``decoder_window_anchor="canvas"`` is
+    DiffusionGemma's sliding window for noisy canvases: the window ends at the canvas start and
+    every canvas token sees its whole canvas (what transformers' sliding KV cache yields).
+    """
 
     vocab_size: int = 262_144
     hidden_size: int = 640
@@ -61,6 +73,19 @@ class ModelConfig:
     time_conditioning: bool = False
     time_freq_dim: int = 256
     gradient_checkpointing: bool = False
+    # Gemma 4 / DiffusionGemma backbone
+    norm_unit_offset: bool = True  # Gemma 3: (1 + w); Gemma 4: w
+    global_head_dim: int | None = None  # head_dim of full-attention layers (default: head_dim)
+    num_global_key_value_heads: int | None = None  # KV heads of full-attention layers (default: num_key_value_heads)
+    attention_k_eq_v: bool = False  # full-attention layers have no v_proj: values = raw key projection
+    value_norm: bool = False  # scale-free RMSNorm on values
+    rope_global_partial_factor: float = 1.0  # proportional RoPE: share of frequency pairs that rotate
+    layer_scalar: bool = False  # per-layer output scalar (a buffer, as in transformers)
+    num_experts: int = 0  # > 0: a mixture of experts beside the dense MLP in every layer
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+    decoder_window_anchor: str = "query"  # query | canvas (DiffusionGemma)
+    canvas_position_groups: list[list[int]] | None = None  # learned canvas positions: group ids per offset
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -74,8 +99,17 @@ class ModelConfig:
             raise ValueError(f"attn_implementation must be one of {BACKENDS}, got {self.attn_implementation!r}")
         if self.encoder_mode not in ENCODER_MODES:
             raise ValueError(f"encoder_mode must be one of {ENCODER_MODES}, got {self.encoder_mode!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        for kv in (self.num_key_value_heads, self.num_global_key_value_heads or self.num_key_value_heads):
+            if self.num_attention_heads % kv:
+                raise ValueError("num_attention_heads must be a multiple of the number of key/value heads")
+        if self.decoder_window_anchor not in WINDOW_ANCHORS:
+            raise ValueError(f"decoder_window_anchor must be one of {WINDOW_ANCHORS}, got {self.decoder_window_anchor!r}")
+        if self.num_experts and not (0 < self.top_k_experts <= self.num_experts and self.moe_intermediate_size > 0):
+            raise ValueError("a mixture of experts needs 0 < top_k_experts <= num_experts and moe_intermediate_size > 0")
+        if not 0.0 < self.rope_global_partial_factor <= 1.0:
+            raise ValueError(f"rope_global_partial_factor must be in (0, 1], got {self.rope_global_partial_factor}")
+        if self.canvas_position_groups is not None:
+            self.canvas_position_groups = validate_groups(self.canvas_position_groups)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,22 +122,30 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        is_global = cfg.layer_types[layer] == FULL
+        self.n_heads, self.head_dim = cfg.num_attention_heads, head_dim_of(cfg, layer)
+        self.n_kv = (cfg.num_global_key_value_heads or cfg.num_key_value_heads) if is_global else cfg.num_key_value_heads
         self.scale = cfg.query_pre_attn_scalar**-0.5
         self.softcap = cfg.attn_logit_softcapping
+        norm = dict(eps=cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = (None if cfg.attention_k_eq_v and is_global
+                       else nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False))
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, **norm)
+        self.k_norm = RMSNorm(self.head_dim, **norm)
+        self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False) if cfg.value_norm else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: MaskSpec, attend,
                 cache: KVCache | None, write: bool, at: int | None = None) -> Tensor:
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        k_raw = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
+        v = k_raw if self.v_proj is None else self.v_proj(x).view(b, n, self.n_kv, self.head_dim)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        k, v = self.k_norm(k_raw).transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [B, H, L, D]
         if cache is not None:
             k, v = cache.attend_keys(self.layer, k, v, write, at)  # [B, Hkv, S + L, D]
@@ -113,25 +155,53 @@ class Attention(nn.Module):
 
 # -------------------------------------------------------------------------------------- block
 class DecoderLayer(nn.Module):
-    """Pre- and post-norm around both attention and MLP (Gemma 3's sandwich)."""
+    """Pre- and post-norm around both attention and MLP (Gemma 3's sandwich).
+
+    With experts (Gemma 4 MoE), the router reads the residual stream and the experts' output,
+    normed on its own, is added to the dense MLP's before the shared post-norm; an optional
+    per-layer scalar multiplies the block's output.
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        d, norm = cfg.hidden_size, dict(eps=cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
         self.layer_type = cfg.layer_types[layer]
         self.self_attn = Attention(cfg, layer)
-        self.mlp = GeGLU(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GeGLU(d, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(d, **norm)
+        self.post_attention_layernorm = RMSNorm(d, **norm)
+        self.pre_feedforward_layernorm = RMSNorm(d, **norm)
+        self.post_feedforward_layernorm = RMSNorm(d, **norm)
+        self.router = self.experts = None
+        if cfg.num_experts:
+            self.router = Router(d, cfg.num_experts, cfg.top_k_experts, cfg.rms_norm_eps)
+            self.experts = Experts(d, cfg.moe_intermediate_size, cfg.num_experts)
+            self.post_feedforward_layernorm_1 = RMSNorm(d, **norm)
+            self.post_feedforward_layernorm_2 = RMSNorm(d, **norm)
+            self.pre_feedforward_layernorm_2 = RMSNorm(d, **norm)
+        if cfg.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
+        else:
+            self.layer_scalar = None
 
     def forward(self, x, rope, mask, attend, cache, write, at=None):
         x = x + self.post_attention_layernorm(
             self.self_attn(self.input_layernorm(x), rope, mask, attend, cache, write, at))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.experts is not None:
+            flat = x.reshape(-1, x.shape[-1])  # [B*L, d]
+            routed = self.experts(self.pre_feedforward_layernorm_2(flat), *self.router(flat))
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed.view_as(x))
+        x = x + self.post_feedforward_layernorm(h)
+        return x if self.layer_scalar is None else x * self.layer_scalar
 
 
 # -------------------------------------------------------------------------------------- model
+def head_dim_of(cfg: ModelConfig, layer: int) -> int:
+    """Gemma 4's global layers may use wider heads than its sliding ones."""
+    return (cfg.global_head_dim or cfg.head_dim) if cfg.layer_types[layer] == FULL else cfg.head_dim
+
+
 class GemmaBackbone(nn.Module):
     """``Gemma3TextModel``'s parameters: ``embed_tokens``, ``layers``, ``norm``."""
 
@@ -139,34 +209,40 @@ class GemmaBackbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
 
 
 class DiffusionGemma(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.forbidden_input_ids = torch.empty(0, dtype=torch.long)  # e.g. image tokens of a multimodal checkpoint
         self.model = GemmaBackbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.model.embed_tokens.weight  # tied
         self.self_conditioning = (
             SelfConditioning(cfg.hidden_size, cfg.selfcond_intermediate_size or cfg.hidden_size,
-                             cfg.rms_norm_eps, cfg.selfcond_variant)
+                             cfg.rms_norm_eps, cfg.selfcond_variant, unit_offset=cfg.norm_unit_offset)
             if cfg.self_conditioning else None
         )
         self.time_embedding = TimeEmbedding(cfg.hidden_size, cfg.time_freq_dim) if cfg.time_conditioning else None
+        self.canvas_groups = (CanvasPositionGroups(cfg.canvas_position_groups, cfg.hidden_size)
+                              if cfg.canvas_position_groups is not None else None)
         self.rotary = nn.ModuleDict({
             SLIDING: Rotary(cfg.head_dim, cfg.rope_local_theta, cfg.max_position_embeddings),
-            FULL: Rotary(cfg.head_dim, cfg.rope_global_theta, cfg.max_position_embeddings, cfg.rope_global_scaling),
+            FULL: Rotary(cfg.global_head_dim or cfg.head_dim, cfg.rope_global_theta, cfg.max_position_embeddings,
+                         cfg.rope_global_scaling, cfg.rope_global_partial_factor),
         })
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Random init (normal weights, zero RMSNorm weights = unit scale); zero-init parts kept."""
+        """Random init (normal weights, RMSNorm and router scales at unit scale); zero-init parts kept."""
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                p.zero_()
+                p.fill_(0.0 if self.config.norm_unit_offset else 1.0)
+            elif name.endswith(("router.scale", "router.per_expert_scale")):
+                p.fill_(1.0)
             elif "down_proj" in name and "self_conditioning" in name or name.startswith("time_embedding.fc2"):
                 p.zero_()
             elif p.dim() >= 2:
@@ -178,13 +254,17 @@ class DiffusionGemma(nn.Module):
     def embed(self, input_ids: Tensor, info: TokenInfo, selfcond: Tensor | None, t: Tensor | None) -> Tensor:
         """Scaled token embeddings; conditioning is added to noisy tokens only, exactly once."""
         w = self.model.embed_tokens.weight
-        x = self.model.embed_tokens(input_ids) * torch.tensor(math.sqrt(self.config.hidden_size)).to(w.dtype)
+        scale = torch.tensor(math.sqrt(self.config.hidden_size)).to(w.dtype)
+        x = self.model.embed_tokens(input_ids) * scale
+        if self.canvas_groups is not None:  # structure-aware canvas positions, clean and noisy canvases alike
+            x = x + self.canvas_groups(info)
         if self.self_conditioning is None and self.time_embedding is None:
             return x
         noisy = info.noisy[..., None]
         cond = x
         if self.self_conditioning is not None:
-            cond = self.self_conditioning(cond, selfcond)
+            # the signal is an expected *input* embedding, so it carries the same sqrt(d) scale
+            cond = self.self_conditioning(cond, None if selfcond is None else selfcond * scale)
         if self.time_embedding is not None and t is not None:
             cond = cond + self.time_embedding(t)[:, None, :]
         return torch.where(noisy, cond, x)
@@ -193,6 +273,7 @@ class DiffusionGemma(nn.Module):
         """Final-normed hidden states ``[.., d]`` -> logits ``[.., V]`` (with soft-capping)."""
         z = self.lm_head(hidden)
         if (cap := self.config.final_logit_softcapping) is not None:
+            z = z.to(torch.promote_types(z.dtype, torch.float32))  # at least fp32, as transformers does
             z = torch.tanh(z / cap) * cap
         return z
 
@@ -221,6 +302,10 @@ class DiffusionGemma(nn.Module):
         """
         cfg = self.config
         b, n = input_ids.shape
+        forbidden = self.forbidden_input_ids
+        if forbidden.numel() and bool(torch.isin(input_ids, forbidden.to(input_ids.device)).any()):
+            raise DGemmaError("the input holds image tokens: dgemma runs DiffusionGemma on text only "
+                              "(the vision tower is not supported)")
         if info is None:
             info = TokenInfo.plain(b, n, input_ids.device)
             if cache is not None and cache.cursor:
@@ -233,7 +318,7 @@ class DiffusionGemma(nn.Module):
         k_info = cache.key_info(info) if cache is not None else info
         attend = get_attention(cfg.attn_implementation)
         masks = {
-            SLIDING: MaskSpec(info, k_info, cfg.encoder_mode, cfg.sliding_window),
+            SLIDING: MaskSpec(info, k_info, cfg.encoder_mode, cfg.sliding_window, cfg.decoder_window_anchor),
             FULL: MaskSpec(info, k_info, cfg.encoder_mode, None),
         }
         x = self.embed(input_ids, info, selfcond, t)

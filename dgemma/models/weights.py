@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 
 from dgemma.errors import DGemmaError
+from dgemma.models.hf_gemma4 import (DIFFUSION_GEMMA_TYPE, GEMMA4_TYPES, image_token_ids, keep_checkpoint_design,
+                                     load_gemma4_folder)
 from dgemma.models.transformer import FULL, SLIDING, DiffusionGemma, ModelConfig
 
 GEMMA3_270M = "gemma3-270m"
@@ -40,7 +42,7 @@ GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c08
 CACHE_FORMAT = 1  # bump when the cache layout changes; older caches are rebuilt
 PARTIAL_PREFIX = f".{GEMMA3_270M}.partial-"
 
-EXTRAS_PREFIXES = ("self_conditioning.", "time_embedding.")
+EXTRAS_PREFIXES = ("self_conditioning.", "time_embedding.", "canvas_groups.")
 EXTRAS_FILE = "diffusion_extras.safetensors"
 DGEMMA_CONFIG_FILE = "dgemma_config.json"
 CACHE_INFO_FILE = "dgemma_cache.json"
@@ -369,6 +371,16 @@ def _load_folder(folder: Path, dtype, attn_implementation, overrides):
     if not (folder / "config.json").is_file():
         raise DGemmaError(f"no config.json in {folder}: not a Hugging Face checkpoint folder")
     hf = _read_json(folder / "config.json")
+    if hf.get("model_type") in (*GEMMA4_TYPES, DIFFUSION_GEMMA_TYPE):
+        cfg, tensors, aside = load_gemma4_folder(folder, hf, _folder_weights(folder))
+        overrides = keep_checkpoint_design(cfg, overrides, source=str(folder))
+        model = model_from_state_dict(_apply_overrides(cfg, attn_implementation, overrides), tensors,
+                                      dtype=dtype, source=str(folder))
+        model.hf_passthrough = aside  # vision tower etc.: written back by save_diffusiongemma
+        model.hf_vision_config = hf.get("vision_config")
+        model.forbidden_input_ids = torch.tensor(image_token_ids(hf), dtype=torch.long)
+        tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
+        return model, tokenizer
     cfg = config_from_hf(hf)
     if (folder / DGEMMA_CONFIG_FILE).is_file():
         cfg = _dgemma_config(folder / DGEMMA_CONFIG_FILE, cfg)
@@ -377,7 +389,8 @@ def _load_folder(folder: Path, dtype, attn_implementation, overrides):
     if hf.get("model_type") == "gemma3":
         tensors = _text_weights(tensors)
     if (folder / EXTRAS_FILE).is_file():
-        enabled = tuple(p for p, on in zip(EXTRAS_PREFIXES, (cfg.self_conditioning, cfg.time_conditioning)) if on)
+        flags = (cfg.self_conditioning, cfg.time_conditioning, cfg.canvas_position_groups is not None)
+        enabled = tuple(p for p, on in zip(EXTRAS_PREFIXES, flags) if on)
         extras = _read_safetensors(folder / EXTRAS_FILE)
         tensors.update({k: v for k, v in extras.items() if enabled and k.startswith(enabled)})
     model = model_from_state_dict(cfg, tensors, dtype=dtype, source=str(folder))
@@ -568,6 +581,9 @@ def save_hf(model: DiffusionGemma, tokenizer, out_dir: str | Path) -> Path:
     extras = {k: v.detach().contiguous() for k, v in state.items() if k.startswith(EXTRAS_PREFIXES)}
     if model.config.attn_logit_softcapping is not None:
         raise DGemmaError("cannot export attn_logit_softcapping to Gemma 3: transformers' Gemma3 ignores it")
+    if not model.config.norm_unit_offset:
+        raise DGemmaError("a Gemma 4 / DiffusionGemma model is exported with "
+                          "dgemma.models.hf_gemma4.save_diffusiongemma, not as Gemma 3")
     if stray := sorted(set(state) - main.keys() - extras.keys() - {"lm_head.weight"}):
         raise DGemmaError(f"cannot export weights {stray[:3]}...: merge or drop adapters (e.g. LoRA) before save_hf")
     dtype = model.model.embed_tokens.weight.dtype

@@ -42,7 +42,9 @@ FINGERPRINT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "layer_types", "encoder_mode",
     "self_conditioning", "selfcond_variant", "selfcond_intermediate_size",
-    "time_conditioning", "time_freq_dim",
+    "time_conditioning", "time_freq_dim", "canvas_position_groups",
+    "norm_unit_offset", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "num_experts",
+    "top_k_experts", "moe_intermediate_size", "layer_scalar",
 )
 """The architecture a set of weights belongs to: shapes, which trained blocks exist, and the
 encoder's attention rule. Back-end, checkpointing and context-length fields may change freely."""
@@ -67,6 +69,8 @@ def model_fingerprint(model_config: dict | Any) -> dict:
         del fp["selfcond_variant"], fp["selfcond_intermediate_size"]
     if not fp["time_conditioning"]:
         del fp["time_freq_dim"]
+    if fp["canvas_position_groups"] is None:  # unset: the print of a checkpoint saved before the field
+        del fp["canvas_position_groups"]
     return fp
 
 
@@ -74,6 +78,8 @@ def _fmt(v: Any) -> str:
     """Compact value for messages: lists run-length encoded (``[5x'sliding_attention', ...]``)."""
     if not isinstance(v, list):
         return str(v)
+    if v and all(isinstance(x, list) for x in v):  # canvas_position_groups: its shape, not 81 x 3 ids
+        return f"<{len(v)} groupings of {len(v[0])} offsets, {[max(x, default=-1) + 1 for x in v]} groups>"
     runs: list[list] = []
     for x in v:
         if runs and runs[-1][0] == x:
@@ -95,6 +101,7 @@ def check_compatible(saved_meta: dict, model_config: dict | Any, *, source: str 
     name = str(source) if source is not None else f"step {saved_meta.get('step', '?')}"
     if saved is None:
         raise DGemmaError(f"checkpoint {name} records no model architecture; cannot check it")
+    saved = {"canvas_position_groups": None, **saved}  # absent from a print = unset (older prints too)
     mine = model_fingerprint(model_config)
     keys = [k for k in dict.fromkeys([*saved, *mine]) if k in saved]
     diff = [k for k in keys if saved.get(k) != mine.get(k)]
@@ -184,12 +191,14 @@ def save_checkpoint(
     extra_state: dict,
     metadata: dict,
     keep_last: int | None,
+    model_config: Any = None,
 ) -> Path:
     """Write step ``step`` atomically and prune to the newest ``keep_last`` complete ones.
 
     ``metadata`` is JSON-serialisable and goes into ``meta.json`` beside the bookkeeping; when it
     holds ``config`` (a :func:`~dgemma.training.config.config_to_dict`) with a ``model`` section,
-    the model fingerprint is derived from it. Saving an existing step replaces it. Returns the
+    the model fingerprint is derived from it, unless ``model_config`` (the model actually built,
+    e.g. from a pretrained base with its own architecture) is given. Saving an existing step replaces it. Returns the
     step directory.
     """
     if keep_last is not None and keep_last < 1:
@@ -235,7 +244,9 @@ def save_checkpoint(
         "tensor_aliases": aliases,
     }
     config = user_meta.get("config")
-    if isinstance(config, dict) and isinstance(config.get("model"), dict):
+    if model_config is not None:
+        meta["model_fingerprint"] = model_fingerprint(model_config)
+    elif isinstance(config, dict) and isinstance(config.get("model"), dict):
         meta["model_fingerprint"] = model_fingerprint(config["model"])
     meta.update(user_meta)
     with open(tmp / META_FILE, "w") as f:

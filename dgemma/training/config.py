@@ -147,6 +147,7 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] | Literal["all-linear"] = "all-linear"  # resolved to names, never lm_head
+    train_experts: bool = False  # MoE bases: train the experts in full too (the router stays frozen)
 
 
 @dataclass(kw_only=True)
@@ -195,6 +196,12 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     eval_ds: EvalConfig = field(default_factory=EvalConfig)
     aux: AuxConfig = field(default_factory=AuxConfig)
+
+    def __post_init__(self):
+        groups = getattr(self.model, "canvas_position_groups", None)
+        if groups is not None and len(groups[0]) != self.diffusion.canvas_size:
+            raise ValueError(f"model.canvas_position_groups covers {len(groups[0])} canvas offsets but "
+                             f"diffusion.canvas_size is {self.diffusion.canvas_size}")
 
 
 # ------------------------------------------------------------------------------------- typing

@@ -9,8 +9,12 @@
 resolution also wraps ``lm_head`` on a custom module (SPEC §8), and the tied head must stay the
 embedding.
 
+The LoRA targets are the attention and dense-MLP projections of every layer; a mixture of
+experts' router is never adapted, and its experts (3-D weights peft cannot wrap) train in full
+only with ``train_experts=True``.
+
 The trainable set is exactly the adapter: the LoRA matrices, plus the diffusion modules that the
-base model does not have (``self_conditioning.*``, ``time_embedding.*``), which are new weights
+base model does not have (``self_conditioning.*``, ``time_embedding.*``, ``canvas_groups.*``), which are new weights
 and would otherwise stay at their zero init forever. Everything from the base is frozen.
 """
 
@@ -25,7 +29,7 @@ from torch import nn
 from dgemma.errors import DGemmaError
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-NEW_MODULES = ("self_conditioning.", "time_embedding.")
+NEW_MODULES = ("self_conditioning.", "time_embedding.", "canvas_groups.")
 
 
 def resolve_targets(target_modules: list[str] | str) -> list[str]:
@@ -47,20 +51,24 @@ def _peft_config(r: int, alpha: float, dropout: float, targets: list[str]):
                       init_lora_weights=True)
 
 
-def apply_lora(model: nn.Module, *, r: int, alpha: float, dropout: float, target_modules) -> nn.Module:
+def apply_lora(model: nn.Module, *, r: int, alpha: float, dropout: float, target_modules,
+               train_experts: bool = False) -> nn.Module:
     """Inject LoRA adapters (A Kaiming-uniform, B zero: step 0 equals the base) and freeze the base."""
     from peft import inject_adapter_in_model
 
     targets = resolve_targets(target_modules)
+    if train_experts and not getattr(model.config, "num_experts", 0):
+        raise DGemmaError("lora.train_experts=True, but this model has no experts")
     inject_adapter_in_model(_peft_config(r, alpha, dropout, targets), model)
     model.lora_config = {"r": r, "alpha": alpha, "dropout": dropout, "target_modules": targets}
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter_param(name))
+        p.requires_grad_(is_adapter_param(name, train_experts=train_experts))
     return model
 
 
-def is_adapter_param(name: str) -> bool:
-    return "lora_" in name or name.startswith(NEW_MODULES)
+def is_adapter_param(name: str, *, train_experts: bool = False) -> bool:
+    """LoRA matrices and new diffusion modules; the experts' weights too with ``train_experts``."""
+    return "lora_" in name or name.startswith(NEW_MODULES) or train_experts and ".experts." in name
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -174,20 +174,22 @@ def build_model(cfg: Config):
         from dgemma.models.weights import load_pretrained
 
         model, tokenizer = load_pretrained(cfg.init.base, dtype=torch.float32, **model_overrides(cfg))
+        if tokenizer is None or cfg.data.tokenizer is not None:  # a base without tokenizer.json, or a chosen one
+            tokenizer = build_tokenizer(cfg)
     else:
         from dgemma.models.transformer import DiffusionGemma
 
         torch.manual_seed(cfg.init.seed)
         model, tokenizer = DiffusionGemma(cfg.model), build_tokenizer(cfg)
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise DGemmaError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
-                              f"{cfg.model.vocab_size}")
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise DGemmaError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has "
+                          f"{model.config.vocab_size}")
     model.config.gradient_checkpointing = cfg.train.activation_checkpointing
     if cfg.lora.enabled:
         from dgemma.training.lora import apply_lora
 
         apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                   target_modules=cfg.lora.target_modules)
+                   target_modules=cfg.lora.target_modules, train_experts=cfg.lora.train_experts)
     return model, tokenizer
 
 
@@ -391,7 +393,7 @@ class Trainer:
         if self.cfg.lora.enabled:  # the frozen base is reloaded from init.base on resume
             from dgemma.training.lora import is_adapter_param
 
-            state = {k: v for k, v in state.items() if is_adapter_param(k)}
+            state = {k: v for k, v in state.items() if is_adapter_param(k, train_experts=self.cfg.lora.train_experts)}
         return state
 
     def save(self) -> None:
@@ -407,8 +409,10 @@ class Trainer:
                  "nan_streak": self.nan_streak}
         meta = {"config": config_to_dict(self.cfg), "threads": torch.get_num_threads(), "world": self.world,
                 "lora": self.cfg.lora.enabled}
+        # the fingerprint is the model actually built: a pretrained base brings its own architecture
         path = ckpt.save_checkpoint(self.workdir, self.step, model_state=model_state, optim_state=optim_state,
-                                    extra_state=extra, metadata=meta, keep_last=self.cfg.train.keep_last)
+                                    extra_state=extra, metadata=meta, keep_last=self.cfg.train.keep_last,
+                                    model_config=self.model.config)
         self.log.event(self.step, f"checkpoint {path.name}")
 
     def restore(self, path: Path, *, weights_only: bool = False) -> None:

@@ -16,6 +16,7 @@ TINY = ["--cfg.model.hidden_size=32", "--cfg.model.intermediate_size=64", "--cfg
 # configs/sft_pubmedqa_tiny.py (LoRA on a tiny random base), or the same shape from sudoku_small.py
 PUBMEDQA_CONFIG = ["--cfg=configs/sft_pubmedqa_tiny.py"] if (REPO / "configs" / "sft_pubmedqa_tiny.py").is_file() else [
     "--cfg=configs/sudoku_small.py", *TINY, "--cfg.data.task=pubmedqa", "--cfg.model.self_conditioning=true",
+    "--cfg.model.canvas_position_groups=null",
     "--cfg.data.prompt_len=64", "--cfg.diffusion.process=uniform", "--cfg.diffusion.canvas_size=16",
     "--cfg.diffusion.num_canvases=2", "--cfg.diffusion.selfcond_prob=0.5", "--cfg.diffusion.ar_loss_weight=1.0",
     "--cfg.eval_ds.step_type=ddim", "--cfg.eval_ds.temperature=0.7", "--cfg.eval_ds.early_stopping=entropy"]

@@ -57,7 +57,9 @@ def test_sample_t_range_mean_and_seed():
 def test_time_grid_default():
     g = time_grid(4)
     assert g.tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
-    assert torch.equal(time_grid(7, t_max=0.9), torch.linspace(0.9, 0.0, 8, dtype=torch.float64))
+    torch.testing.assert_close(time_grid(7, t_max=0.9), torch.linspace(0.9, 0.0, 8, dtype=torch.float64))
+    # exactly k / N, the step fraction transformers' DiffusionGemma schedules its temperature with
+    assert time_grid(48).tolist() == [k / 48 for k in range(48, -1, -1)]
 
 
 def test_time_grid_last_target_is_zero():

@@ -4,6 +4,7 @@ forward over ``[prompt | clean canvases | noisy canvases]`` with the block mask 
 import pytest
 import torch
 
+from dgemma.models.hf_gemma4 import DIFFUSIONGEMMA_DESIGN
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo, single_shot_info
 from dgemma.models.transformer import DiffusionGemma, ModelConfig
@@ -12,8 +13,9 @@ V, C, N = 50, 4, 3
 
 
 def tiny(encoder="causal", attn="eager", **kw):
+    kw = {"query_pre_attn_scalar": 8, **kw}
     cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                       max_position_embeddings=128, encoder_mode=encoder, attn_implementation=attn, **kw)
     torch.manual_seed(0)
@@ -67,6 +69,29 @@ def test_cached_equals_single_shot(encoder, attn, conditioning):
     # lengths (masked keys contribute exact zeros, but change the summation blocking): the
     # measured gap is 1 ulp (8e-17 on logits of order 1), so hold it to 1e-14.
     torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+
+
+GEMMA4 = dict(global_head_dim=16, num_global_key_value_heads=1, rope_global_partial_factor=0.25, num_experts=4,
+              top_k_experts=2, moe_intermediate_size=16, **DIFFUSIONGEMMA_DESIGN)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "flex"])
+def test_cached_equals_single_shot_diffusiongemma_architecture(attn):
+    """The same invariant for the released DiffusionGemma's design: Gemma 4 layers, experts, and
+    a sliding window anchored at the canvas start (prompt longer than the window)."""
+    model = tiny("causal", attn, **GEMMA4)
+    g = torch.Generator().manual_seed(2)
+    pvalid = torch.tensor([[1] * 9, [1] * 7 + [0, 0]]).bool()
+    prompt = torch.randint(0, V, (2, 9), generator=g)
+    clean = torch.randint(0, V, (2, N * C), generator=g)
+    noisy = torch.randint(0, V, (2, N * C), generator=g)
+    selfcond = torch.randn(2, N * C, 32, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        got = cached_decode(model, prompt, pvalid, clean, noisy, selfcond)
+        info = single_shot_info(pvalid, torch.ones(2, N * C, dtype=torch.bool), C)
+        sc = torch.cat([torch.zeros(2, 9 + N * C, 32, dtype=torch.float64), selfcond], 1)
+        want = model(torch.cat([prompt, clean, noisy], 1), info=info, selfcond=sc)[:, -N * C:]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_prefill_then_tokens_equals_full_forward():

@@ -90,6 +90,28 @@ def test_single_shot_block_encoder_with_window():
          [0, 0, 0, 1, 0, 0, 0, 0, 1, 1]]))
 
 
+def test_canvas_anchored_window_ends_at_the_canvas_start():
+    """DiffusionGemma's decoder window: every noisy token sees the ``window - 1`` tokens before
+    its canvas and its whole canvas, whatever its offset (clean tokens keep the usual window)."""
+    info = single_shot_info(torch.ones(1, 3).bool(), torch.ones(1, 4).bool(), canvas_size=2)
+    m = dense_mask(info, info, encoder="causal", window=2, anchor="canvas")[0].int()
+    # positions: p 0 1 2 | c 3 4 5 6 | n 3 4 5 6
+    assert torch.equal(m, t(
+        [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+         [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+         [0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+         [0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+         [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0],
+         [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
+         [0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0],
+         [0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0],
+         [0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0],
+         [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1],
+         [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1]]))
+    query = dense_mask(info, info, encoder="causal", window=2)[0].int()
+    assert query[8].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0]  # the per-query window loses p2 at offset 1
+
+
 def test_clean_positions_skip_padding():
     info = TokenInfo.clean(torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]).bool(), start=torch.tensor([0, 3]))
     assert info.positions.tolist() == [[0, 1, 2, 2, 2], [3, 3, 3, 3, 3]]
