@@ -5,8 +5,9 @@
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask.
 - ``flex``: FlexAttention with a block mask whose ``mask_mod`` evaluates
   :func:`dgemma.models.masks.attention_rule` on the token metadata, so fully-masked tiles
-  are skipped. One fixed ``mask_mod`` code path per (encoder mode, window) keeps recompiles
-  bounded. On CPU it runs forward only (PyTorch raises on backward there).
+  are skipped; compiled (fused) on GPUs, eager on CPUs. One fixed ``mask_mod`` code path per
+  (encoder mode, window) keeps recompiles bounded. On CPU it runs forward only (PyTorch raises
+  on backward there).
 
 All take ``q [B, Hq, Lq, D]``, ``k, v [B, Hkv, Lk, D]`` and return ``[B, Hq, Lq, D]``.
 """
@@ -88,15 +89,29 @@ def sdpa_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | No
     )
 
 
-def flex_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | None = None) -> Tensor:
-    from torch.nn.attention.flex_attention import flex_attention as _flex
+_COMPILED_FLEX: dict[str, object] = {}
 
+
+def _flex_kernel(device: torch.device):
+    """FlexAttention is fused only when compiled: on a GPU compile it once per process (shapes
+    that change from call to call, such as a growing cache, make it dynamic after the first
+    recompile); on a CPU keep the eager reference path, which also serves tests."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if device.type != "cuda":
+        return flex
+    if "cuda" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cuda"] = torch.compile(flex)
+    return _COMPILED_FLEX["cuda"]
+
+
+def flex_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | None = None) -> Tensor:
     score_mod = None
     if softcap is not None:
         def score_mod(score, b, h, qi, ki):
             return torch.tanh(score / softcap) * softcap
 
-    return _flex(
+    return _flex_kernel(q.device)(
         q, k, v, score_mod=score_mod, block_mask=mask.block_mask(), scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
