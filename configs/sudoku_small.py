@@ -5,12 +5,18 @@ the KV cache; the 81-digit solution is denoised as one canvas. Absorbing (masked
 SPEC §11 found that uniform noise needs far more compute from scratch. Training puzzles are
 generated on the fly (data.path unset); evaluation uses held-out unique puzzles. The clues are
 pinned in the canvas (infilling: never noised, scored or resampled) and the loss is on masked
-cells only (MDLM), the two choices SPEC §11 found mattered most after the noise process.
+cells only (MDLM), the two choices SPEC §11 found mattered most after the noise process. Every
+canvas cell also gets learned row, column and box embeddings (``model.canvas_position_groups``
+from ``dgemma.data.sudoku.structure_groups``): rotary positions alone cannot tell a cell where
+it sits on the board, and this was SPEC §11's largest single gain. 3,000 steps of batch 64 took
+14 min 8 s on the idle 2-core CPU (2 threads, measured end to end) and solve 84.1% of 768
+held-out boards (99.6% easy, 95.3% medium, 57.4% hard; README.md).
 
     dgemma prepare sudoku --out data/sudoku --n 768 --seed 1
     dgemma train --cfg=configs/sudoku_small.py --cfg.workdir=runs/sudoku_small
 """
 
+from dgemma.data.sudoku import structure_groups
 from dgemma.models.transformer import ModelConfig
 from dgemma.training.config import (Config, DataConfig, DiffusionConfig, EvalConfig, InitConfig, OptimConfig,
                                     TrainConfig)
@@ -23,7 +29,7 @@ def get_config() -> Config:
             num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=None,
             layer_types=["full_attention"] * 4, max_position_embeddings=256, rope_local_theta=10_000.0,
             rope_global_theta=10_000.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-            attn_implementation="sdpa",
+            attn_implementation="sdpa", canvas_position_groups=structure_groups(),
         ),
         init=InitConfig(base=None, seed=0),
         diffusion=DiffusionConfig(process="absorbing", schedule="linear", t_eps=1e-3, canvas_size=81,
@@ -33,7 +39,7 @@ def get_config() -> Config:
                         pin_clues=True),
         optim=OptimConfig(name="adamw", lr=2e-3, min_lr_ratio=0.1, warmup_steps=100, betas=(0.9, 0.98),
                           weight_decay=0.01, clip_norm=1.0),
-        train=TrainConfig(steps=1500, checkpoint_every=250, keep_last=2, log_every=10, threads=2),
+        train=TrainConfig(steps=3000, checkpoint_every=500, keep_last=2, log_every=10, threads=2),
         eval_ds=EvalConfig(batch_size=128, steps=[81], step_type="commit", temperature=0.0, early_stopping=None,
                            num_examples=768),
     )

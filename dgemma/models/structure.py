@@ -9,11 +9,17 @@ it (SPEC §11 found row/column/box embeddings the largest single gain from scrat
 per canvas offset. The model owns one ``nn.Embedding(num_groups, hidden)`` per grouping
 (``canvas_groups.0``, ``canvas_groups.1``, ...) and adds, to every canvas token (block >= 1,
 clean or noisy; never the prompt, block 0), the sum over groupings of the embedding of the group
-at that token's canvas offset. A 2x2 grid as a canvas of 4, grouped by rows and by columns::
+at that token's canvas offset, times ``sqrt(hidden_size)`` like the token embeddings. A 2x2 grid
+as a canvas of 4, grouped by rows and by columns::
 
     canvas_position_groups = [[0, 0, 1, 1],   # rows:    offsets 0, 1 in row 0; 2, 3 in row 1
                               [0, 1, 0, 1]]   # columns: offsets 0, 2 in column 0; 1, 3 in column 1
-    offset 3 gets  canvas_groups.0.weight[1] + canvas_groups.1.weight[1]
+    offset 3 gets  (canvas_groups.0.weight[1] + canvas_groups.1.weight[1]) * sqrt(hidden_size)
+
+The scale matters: both tables start at std 0.02, and without it the positions enter 8x weaker
+than the tokens at width 64. On ``configs/sudoku_small.py`` the unscaled version solved 46% /
+4% / 0% of easy / medium / hard boards after 800 steps, the scaled one 98% / 90% / 40% (150
+puzzles, same seeds).
 
 A token's canvas offset is its rotary position minus the first position of its block in its row
 of the batch, within the same forward call (:func:`canvas_offsets`). A whole canvas always
@@ -23,6 +29,8 @@ token's index in its canvas, and cached decoding equals the single-shot forward.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
@@ -87,5 +95,6 @@ class CanvasPositionGroups(nn.ModuleList):
     def forward(self, info: TokenInfo) -> Tensor:
         offsets = canvas_offsets(info).clamp(0, self.canvas_size - 1)  # [B, L]
         ids = self.group_ids.to(offsets.device)[:, offsets]  # [G, B, L]
-        out = sum(table(ids[i]) for i, table in enumerate(self))
+        scale = torch.tensor(math.sqrt(self[0].embedding_dim)).to(self[0].weight.dtype)  # as the token embeddings
+        out = sum(table(ids[i]) for i, table in enumerate(self)) * scale
         return torch.where((info.blocks >= 1)[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -50,12 +50,13 @@ def test_offsets_per_call_and_per_row():
 
 
 def test_group_embeddings_literal():
-    groups = CanvasPositionGroups(GROUPS, hidden_size=2).double()
+    groups = CanvasPositionGroups(GROUPS, hidden_size=4).double()  # scaled by sqrt(4) = 2, as tokens are
     with torch.no_grad():
-        groups[0].weight.copy_(torch.tensor([[1.0, 0.0], [2.0, 0.0]]))  # rows
-        groups[1].weight.copy_(torch.tensor([[0.0, 10.0], [0.0, 20.0]]))  # columns
+        groups[0].weight.copy_(torch.tensor([[1.0, 0, 0, 0], [2.0, 0, 0, 0]]))  # rows
+        groups[1].weight.copy_(torch.tensor([[0, 10.0, 0, 0], [0, 20.0, 0, 0]]))  # columns
     info = info_of([[0, 1, 2, 3, 4, 5]], [[0, 0, 1, 1, 1, 1]])  # 2 prompt tokens, one canvas of 4
-    want = torch.tensor([[[0, 0], [0, 0], [1, 10], [1, 20], [2, 10], [2, 20]]], dtype=torch.float64)
+    want = torch.tensor([[[0, 0, 0, 0], [0, 0, 0, 0], [2, 20, 0, 0], [2, 40, 0, 0], [4, 20, 0, 0],
+                          [4, 40, 0, 0]]], dtype=torch.float64)
     assert torch.equal(groups(info), want)
 
 
