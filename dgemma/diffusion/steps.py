@@ -256,10 +256,10 @@ class EntropyBoundStep:
         scaled = logits.float() / self.temperature(t)
         probs = torch.softmax(scaled, -1)
         draw = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
-        accepted = self.accept(token_entropy(scaled)) & ~state.committed
         fresh = self.noise.noise_like(tuple(state.tokens.shape), generator=generator, device=state.tokens.device)
         if is_last:  # emit the argmax canvas; the draws above keep the random stream where transformers' is
             return replace(state, tokens=torch.where(state.committed, state.tokens, scaled.argmax(-1)), prev_pred=draw)
+        accepted = self.accept(token_entropy(scaled)) & ~state.committed
         tokens = torch.where(state.committed, state.tokens, torch.where(accepted, draw, fresh))
         return replace(state, tokens=tokens, prev_pred=draw)
 

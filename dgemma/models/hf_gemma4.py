@@ -40,9 +40,12 @@ _ENC_PREFIX = "model.encoder.language_model."
 _SELFCOND_RENAMES = {"gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
 
 
+GEMMA4_DESIGN = dict(norm_unit_offset=False, value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0)
+"""The ModelConfig fields every Gemma 4 text model sets (RMSNorm ``w``, value norm, per-layer scalar,
+attention scale 1)."""
 DIFFUSIONGEMMA_DESIGN = dict(
-    norm_unit_offset=False, attention_k_eq_v=True, value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0,
-    final_logit_softcapping=30.0, decoder_window_anchor="canvas", self_conditioning=True, selfcond_variant="postnorm",
+    GEMMA4_DESIGN, attention_k_eq_v=True, final_logit_softcapping=30.0, decoder_window_anchor="canvas",
+    self_conditioning=True, selfcond_variant="postnorm",
 )
 """The ModelConfig fields that make a model the released DiffusionGemma's design, whatever its sizes:
 ``ModelConfig(**sizes, **DIFFUSIONGEMMA_DESIGN)`` (plus experts) exports to transformers."""
@@ -85,29 +88,30 @@ def config_from_gemma4(text: dict, *, diffusion: bool) -> ModelConfig:
     eos = get("eos_token_id")
     eos = eos[0] if isinstance(eos, (list, tuple)) else eos
     try:
-        return ModelConfig(
+        fields = dict(
             vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
             intermediate_size=int(get("intermediate_size")), num_hidden_layers=n_layers,
             num_attention_heads=int(get("num_attention_heads")), num_key_value_heads=n_kv, head_dim=head_dim,
-            rms_norm_eps=float(get("rms_norm_eps") or 1e-6), query_pre_attn_scalar=1.0,
-            sliding_window=int(get("sliding_window")), layer_types=layer_types,
-            rope_local_theta=float(local.get("rope_theta", 10_000.0)),
+            rms_norm_eps=float(get("rms_norm_eps") or 1e-6), sliding_window=int(get("sliding_window")),
+            layer_types=layer_types, rope_local_theta=float(local.get("rope_theta", 10_000.0)),
             rope_global_theta=float(full.get("rope_theta", 1_000_000.0)),
             rope_global_scaling=float(full.get("factor", 1.0)), rope_global_partial_factor=partial,
             max_position_embeddings=int(get("max_position_embeddings")),
-            final_logit_softcapping=(30.0 if diffusion and "final_logit_softcapping" not in text
-                                     else get("final_logit_softcapping")),
             pad_token_id=int(get("pad_token_id") or 0), eos_token_id=1 if eos is None else int(eos),
             bos_token_id=2 if get("bos_token_id") is None else int(get("bos_token_id")),
-            norm_unit_offset=False, global_head_dim=global_dim, num_global_key_value_heads=global_kv,
-            attention_k_eq_v=True if diffusion else bool(get("attention_k_eq_v")), value_norm=True,
-            layer_scalar=True, num_experts=int(get("num_experts") or 0) if moe else 0,
+            global_head_dim=global_dim, num_global_key_value_heads=global_kv,
+            num_experts=int(get("num_experts") or 0) if moe else 0,
             top_k_experts=int(get("top_k_experts") or 0) if moe else 0,
             moe_intermediate_size=int(get("moe_intermediate_size") or 0) if moe else 0,
-            self_conditioning=diffusion, selfcond_variant="postnorm" if diffusion else "zero_init",
-            selfcond_intermediate_size=int(get("intermediate_size")) if diffusion else None,
-            decoder_window_anchor="canvas" if diffusion else "query",
+            **GEMMA4_DESIGN,
         )
+        if diffusion:  # DiffusionGemmaTextConfig's soft-cap is a class default (30), absent from most files
+            fields.update(DIFFUSIONGEMMA_DESIGN, selfcond_intermediate_size=int(get("intermediate_size")))
+            fields["final_logit_softcapping"] = get("final_logit_softcapping", 30.0)
+        else:
+            fields.update(attention_k_eq_v=bool(get("attention_k_eq_v")),
+                          final_logit_softcapping=get("final_logit_softcapping"))
+        return ModelConfig(**fields)
     except (ValueError, TypeError) as e:
         raise DGemmaError(f"invalid Gemma 4 config: {e}") from None
 

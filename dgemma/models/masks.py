@@ -119,6 +119,25 @@ def canvas_decode_mask(q_block: Tensor, k_block: Tensor, k_noisy: Tensor) -> Ten
     return torch.where(k_noisy, k_block == q_block, k_block < q_block)
 
 
+def block_starts(info: TokenInfo) -> Tensor:
+    """``[B, L]``: the first position of each token's block in its row, within this call.
+
+    A whole canvas always arrives in one call (prefill, append, decoder pass, or the single-shot
+    forward, where a block's clean and noisy copies share positions), so this is the canvas's
+    first position. Blocks are renumbered densely (``unique``) and the starts found with ``amin``,
+    no loop over tokens:
+
+    >>> info = TokenInfo(torch.tensor([[0, 1, 2, 3, 4, 5, 2, 3, 4]]), torch.tensor([[0, 0, 1, 1, 1, 2, 1, 1, 1]]),
+    ...                  torch.zeros(1, 9, dtype=torch.bool), torch.ones(1, 9, dtype=torch.bool))
+    >>> block_starts(info)
+    tensor([[0, 0, 2, 2, 2, 5, 2, 2, 2]])
+    """
+    positions = info.positions
+    _, dense = torch.unique(info.blocks, return_inverse=True)  # [B, L] in 0..U-1
+    first = positions.new_full((positions.shape[0], int(dense.max()) + 1), torch.iinfo(positions.dtype).max)
+    return first.scatter_reduce(1, dense, positions, reduce="amin").gather(1, dense)
+
+
 def window_anchor(info: TokenInfo) -> Tensor:
     """Where each query's sliding window ends under the ``"canvas"`` anchor (DiffusionGemma's).
 
@@ -132,11 +151,7 @@ def window_anchor(info: TokenInfo) -> Tensor:
     >>> window_anchor(info)
     tensor([[0, 1, 2, 3, 3, 3]])
     """
-    big = torch.iinfo(torch.long).max
-    blocks = info.blocks
-    starts = torch.full((blocks.shape[0], int(blocks.max()) + 1), big, device=blocks.device)
-    starts = starts.scatter_reduce(1, blocks, torch.where(info.noisy, info.positions, big), "amin")
-    return torch.where(info.noisy, starts.gather(1, blocks), info.positions)
+    return torch.where(info.noisy, block_starts(info), info.positions)
 
 
 def attention_rule(

@@ -35,7 +35,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from dgemma.models.masks import TokenInfo
+from dgemma.models.masks import TokenInfo, block_starts
 
 
 def validate_groups(groups, canvas_size: int | None = None) -> list[list[int]]:
@@ -55,8 +55,8 @@ def validate_groups(groups, canvas_size: int | None = None) -> list[list[int]]:
 def canvas_offsets(info: TokenInfo) -> Tensor:
     """``[B, L]`` long: each token's position minus the first position of its block in its row.
 
-    Prompt tokens (block 0) get offsets too; the caller ignores them. No Python loop over tokens:
-    blocks are renumbered densely (``unique``) and the first positions found with ``amin``.
+    Prompt tokens (block 0) get offsets too; the caller ignores them. The starts are
+    :func:`dgemma.models.masks.block_starts`, which the canvas-anchored sliding window uses too.
 
     >>> info = TokenInfo(positions=torch.tensor([[0, 1, 2, 3, 4, 5, 2, 3, 4]]),
     ...                  blocks=torch.tensor([[0, 0, 1, 1, 1, 2, 1, 1, 1]]),
@@ -64,12 +64,7 @@ def canvas_offsets(info: TokenInfo) -> Tensor:
     >>> canvas_offsets(info)
     tensor([[0, 1, 0, 1, 2, 0, 0, 1, 2]])
     """
-    positions, blocks = info.positions, info.blocks
-    _, dense = torch.unique(blocks, return_inverse=True)  # [B, L] in 0..U-1
-    big = torch.iinfo(positions.dtype).max
-    first = positions.new_full((positions.shape[0], int(dense.max()) + 1), big)
-    first = first.scatter_reduce(1, dense, positions, reduce="amin")
-    return positions - first.gather(1, dense)
+    return info.positions - block_starts(info)
 
 
 class CanvasPositionGroups(nn.ModuleList):

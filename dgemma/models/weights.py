@@ -366,8 +366,6 @@ def _text_weights(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _load_folder(folder: Path, dtype, attn_implementation, overrides):
-    from dgemma.data.tokenizers import Tokenizer
-
     if not (folder / "config.json").is_file():
         raise DGemmaError(f"no config.json in {folder}: not a Hugging Face checkpoint folder")
     hf = _read_json(folder / "config.json")
@@ -379,8 +377,7 @@ def _load_folder(folder: Path, dtype, attn_implementation, overrides):
         model.hf_passthrough = aside  # vision tower etc.: written back by save_diffusiongemma
         model.hf_vision_config = hf.get("vision_config")
         model.forbidden_input_ids = torch.tensor(image_token_ids(hf), dtype=torch.long)
-        tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
-        return model, tokenizer
+        return model, _folder_tokenizer(folder)
     cfg = config_from_hf(hf)
     if (folder / DGEMMA_CONFIG_FILE).is_file():
         cfg = _dgemma_config(folder / DGEMMA_CONFIG_FILE, cfg)
@@ -393,9 +390,14 @@ def _load_folder(folder: Path, dtype, attn_implementation, overrides):
         enabled = tuple(p for p, on in zip(EXTRAS_PREFIXES, flags) if on)
         extras = _read_safetensors(folder / EXTRAS_FILE)
         tensors.update({k: v for k, v in extras.items() if enabled and k.startswith(enabled)})
-    model = model_from_state_dict(cfg, tensors, dtype=dtype, source=str(folder))
-    tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
-    return model, tokenizer
+    return model_from_state_dict(cfg, tensors, dtype=dtype, source=str(folder)), _folder_tokenizer(folder)
+
+
+def _folder_tokenizer(folder: Path):
+    """The folder's ``tokenizer.json`` as a Tokenizer, or None."""
+    from dgemma.data.tokenizers import Tokenizer
+
+    return Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
 
 
 def _dgemma_config(path: Path, hf_cfg: ModelConfig) -> ModelConfig:
