@@ -138,8 +138,12 @@ def diffusiongemma_text_config(cfg: ModelConfig) -> dict:
         raise DGemmaError("a DiffusionGemma export needs a causal encoder, no time conditioning, no canvas groups")
     if not cfg.num_experts:
         raise DGemmaError("transformers' DiffusionGemma always has experts: a dense model cannot be exported to it")
-    if not cfg.attention_k_eq_v or cfg.selfcond_intermediate_size not in (None, cfg.intermediate_size):
-        raise DGemmaError("not a DiffusionGemma architecture (keys-as-values, self-conditioning width)")
+    # every design field transformers' config cannot express (the soft-cap is written out)
+    off = {k: getattr(cfg, k) for k, v in DIFFUSIONGEMMA_DESIGN.items()
+           if k != "final_logit_softcapping" and getattr(cfg, k) != v}
+    if off or cfg.selfcond_intermediate_size not in (None, cfg.intermediate_size):
+        raise DGemmaError(f"not a DiffusionGemma architecture: {off or 'self-conditioning width'} differs from "
+                          "DIFFUSIONGEMMA_DESIGN / intermediate_size, which transformers would compute instead")
     gdim, gkv = cfg.global_head_dim or cfg.head_dim, cfg.num_global_key_value_heads or cfg.num_key_value_heads
     full = {"rope_type": "proportional", "partial_rotary_factor": cfg.rope_global_partial_factor,
             "rope_theta": cfg.rope_global_theta}

@@ -263,6 +263,13 @@ def test_refusals(dg_folder, tmp_path):
     (bad / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(DGemmaError, match="differs from its decoder twin"):
         dgemma.load_pretrained(bad)
+    # a design transformers cannot express is refused by name, never exported as something else
+    import dataclasses
+
+    from dgemma.models.transformer import DiffusionGemma
+    odd = DiffusionGemma(dataclasses.replace(model.config, value_norm=False))
+    with pytest.raises(DGemmaError, match="value_norm"):
+        save_diffusiongemma(odd, None, tmp_path / "odd")
     # a Gemma 3 export of a DiffusionGemma would silently drop its design
     with pytest.raises(DGemmaError, match="save_diffusiongemma"):
         dgemma.models.weights.save_hf(model, None, tmp_path / "g3")
