@@ -15,6 +15,9 @@ _LAZY = {
     "ModelConfig": "dgemma.models.transformer",
     "KVCache": "dgemma.models.kv_cache",
     "TokenInfo": "dgemma.models.masks",
+    "load_model": "dgemma.sampling",
+    "SamplerConfig": "dgemma.sampling",
+    "build_sampler": "dgemma.sampling",
 }
 
 
@@ -34,4 +37,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dgemma' has no attribute {name!r}")
 
 
-__all__ = ["DiffusionGemma", "KVCache", "ModelConfig", "TokenInfo", "load_pretrained", "__version__"]
+__all__ = ["DiffusionGemma", "KVCache", "ModelConfig", "SamplerConfig", "TokenInfo", "build_sampler", "load_model",
+           "load_pretrained", "__version__"]

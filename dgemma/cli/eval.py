@@ -38,6 +38,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                         "sample_ar_steps32_early_stopping")
     p.add_argument("--visualize", type=int, default=0, metavar="K",
                    help="write a GIF and a PNG strip of the denoising of the first K examples")
+    p.add_argument("--out", metavar="DIR", help="write DIR/eval/... instead of WORKDIR/eval/... (e.g. a batch-1 "
+                                                "speed run beside the batch-16 one)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="inference dtype (auto: bf16 where the CPU or GPU has native bf16 matrix units)")
     p.add_argument("--ar_max_tokens", type=int, default=None,
                    help="tokens of the AR baseline per prompt (default 64; 0 skips it)")
     lm = p.add_argument_group("--task=lm (a pretrained Lite run)")
@@ -87,7 +91,7 @@ def run(argv: list[str]) -> int:
     if args.cfg:
         print(f"[dgemma] eval: using {args.workdir}/config.json; --cfg={args.cfg} is not read "
               f"(only --cfg.* overrides apply)", file=sys.stderr)
-    run_ = load_run(args.workdir, step=args.step, overrides=overrides)
+    run_ = load_run(args.workdir, step=args.step, overrides=overrides, dtype=args.dtype)
     if args.task == "lm" or (args.task is None and run_.cfg.data.task == "corpus"):
         return _run_lm(args, run_)
     task = get_task(args.task or run_.cfg.data.task).configure(run_.cfg)
@@ -100,10 +104,10 @@ def run(argv: list[str]) -> int:
     ar = AR_MAX_TOKENS if args.ar_max_tokens is None else args.ar_max_tokens
     print(f"[dgemma] eval: {task.name} at step {run_.step} from {run_.path}, "
           f"{len(evaluators)} evaluator(s)", file=sys.stderr)
-    results = run_evaluators(run_, task, evaluators, out_dir=args.workdir, visualize=args.visualize,
-                             ar_max_tokens=ar)
+    out = args.out or args.workdir
+    results = run_evaluators(run_, task, evaluators, out_dir=out, visualize=args.visualize, ar_max_tokens=ar)
     print(table(results, task.primary))
-    print(f"[dgemma] wrote {args.workdir}/eval/<eval_name>/step_{run_.step}.json(l)"
+    print(f"[dgemma] wrote {out}/eval/<eval_name>/step_{run_.step}.json(l)"
           + (" and viz/" if args.visualize else ""), file=sys.stderr)
     return 0
 

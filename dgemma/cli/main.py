@@ -12,6 +12,7 @@ VERBS = {
     "prepare": "dgemma.cli.prepare",
     "train": "dgemma.cli.train",
     "solve": "dgemma.cli.solve",
+    "generate": "dgemma.cli.generate",
     "eval": "dgemma.cli.eval",
     "plot": "dgemma.cli.plot",
     "export": "dgemma.cli.export",

@@ -1,6 +1,7 @@
 """``dgemma train --cfg=FILE [--cfg.a.b=value ...]`` (also under ``torchrun ... -m dgemma train``).
 
-With ``--cfg.train.eval_every=N`` the first of the task's evaluators (``sample_ar_steps{N}``)
+With ``--cfg.train.eval_every=N`` the first of the task's evaluators (``sample_ar_steps{N}``), or
+the one ``train.eval_name`` names (``train_eval_sample_ar_steps16``, ``train_eval_ar_greedy``),
 runs on the live model every N steps and at the end; its headline metrics go to TensorBoard and
 ``metrics.jsonl`` (split ``eval``), its files to ``WORKDIR/eval/``.
 """
@@ -14,16 +15,17 @@ from dgemma.errors import DGemmaError
 
 def eval_hook(trainer, step: int) -> dict:
     """Evaluate the model being trained (rank 0 of a single process or DDP run)."""
-    from dgemma.eval.harness import default_evaluators, run_evaluators
+    from dgemma.eval.harness import default_evaluators, parse_evaluator, run_evaluators
     from dgemma.eval.tasks import get_task
     from dgemma.training.runs import Run
 
     cfg = trainer.cfg
     task = get_task(cfg.data.task).configure(cfg)
     run = Run(cfg, trainer.model.eval(), trainer.tokenizer, step, trainer.workdir / "checkpoints" / f"step_{step:08d}")
+    chosen = [parse_evaluator(cfg.train.eval_name, task)] if cfg.train.eval_name else default_evaluators(cfg, task)[:1]
     try:
-        results = run_evaluators(run, task, default_evaluators(cfg, task)[:1], out_dir=trainer.workdir,
-                                 ar_max_tokens=0)
+        with trainer.autocast():  # the training dtype: bf16 where it is native
+            results = run_evaluators(run, task, chosen, out_dir=trainer.workdir, ar_max_tokens=0)
     finally:
         trainer.model.train()
     return {f"{r['eval_name']}/{k}": v for r in results for k, v in r["metrics"].items() if k in task.primary}

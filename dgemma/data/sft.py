@@ -93,6 +93,19 @@ def collate(examples: list[Example], *, prompt_len: int, pad_id: int) -> dict[st
     return out
 
 
+def trim_prompt_padding(batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """Drop the prompt columns that are padding in every row of every micro-batch.
+
+    Prompts are right-padded and every position and mask is computed from ``prompt_valid``,
+    so the trailing all-pad columns change no result; they only cost FLOPs (PubMedQA's prompts
+    have a median of ~380 of 1,024 tokens). One width for the whole step keeps the
+    micro-batches alike. Example: valid rows ``[1 1 1 0 0]`` and ``[1 1 0 0 0]`` -> width 3.
+    """
+    width = max(int(b["prompt_valid"].sum(-1).max()) if b["prompt_valid"].numel() else 0 for b in batches)
+    return [{**b, "prompt_ids": b["prompt_ids"][:, :width], "prompt_valid": b["prompt_valid"][:, :width]}
+            for b in batches]
+
+
 class DataOrder:
     """A seeded, shuffled, resumable order over ``n`` examples, sharded across ranks.
 

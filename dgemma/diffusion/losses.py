@@ -187,14 +187,15 @@ def diffusion_loss(hidden: Tensor, weight: Tensor, x0: Tensor, mask: Tensor, *,
     return loss_sum / count.clamp_min(1), loss_sum, count
 
 
-def ar_loss(hidden: Tensor, weight: Tensor, ids: Tensor, valid: Tensor, *, impl: str = "chunked",
-            **kw) -> tuple[Tensor, Tensor, Tensor]:
+def ar_loss(hidden: Tensor, weight: Tensor, ids: Tensor, valid: Tensor, *, scored: Tensor | None = None,
+            impl: str = "chunked", **kw) -> tuple[Tensor, Tensor, Tensor]:
     """Next-token cross-entropy of the encoder over ``[prompt | response]``.
 
     ``hidden [B, L, d]`` at position ``i`` predicts ``ids[:, i + 1]``; position ``i`` counts when
-    ``valid[:, i]`` and ``valid[:, i + 1]`` both hold (SPEC §2), so nothing is predicted from or
-    into padding, wherever the padding sits. Returns ``(mean, loss_sum, count)`` as
-    :func:`diffusion_loss` does.
+    ``valid[:, i]`` and ``valid[:, i + 1]`` both hold, so nothing is predicted from or into
+    padding, wherever the padding sits. ``scored [B, L]`` (optional) further limits the *targets*:
+    ``ids[:, i + 1]`` counts only where ``scored[:, i + 1]`` (the response tokens of an SFT
+    example, say). Returns ``(mean, loss_sum, count)`` as :func:`diffusion_loss` does.
     """
     if hidden.dim() != 3 or ids.shape != hidden.shape[:2] or valid.shape != ids.shape:
         raise DGemmaError(
@@ -205,6 +206,11 @@ def ar_loss(hidden: Tensor, weight: Tensor, ids: Tensor, valid: Tensor, *, impl:
         raise DGemmaError(f"valid must be bool, got {valid.dtype}")
     targets = ids.roll(-1, dims=1)
     mask = valid & valid.roll(-1, dims=1)
+    if scored is not None:
+        if scored.shape != ids.shape or scored.dtype != torch.bool:
+            raise DGemmaError(f"scored must be bool of shape {tuple(ids.shape)}, got {scored.dtype} "
+                              f"{tuple(scored.shape)}")
+        mask &= scored.roll(-1, dims=1)
     mask[:, -1] = False
     ce = _cross_entropy(impl)
     loss_sum, count = ce(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),

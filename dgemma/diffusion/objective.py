@@ -107,9 +107,12 @@ def compact_valid(valid: Tensor) -> Tensor:
 class DiffusionObjective:
     def __init__(self, *, noise, canvas_size: int, t_eps: float = 1e-4, selfcond_prob: float = 0.5,
                  ar_loss_weight: float = 1.0, decode: str = "one", chunk_tokens: int = 1024, loss_on: str = "all",
-                 diffusion_loss_weight: float = 1.0):
+                 diffusion_loss_weight: float = 1.0, ar_loss_on: str = "all"):
         if loss_on not in ("all", "noised"):
             raise ValueError(f"loss_on must be 'all' or 'noised', got {loss_on!r}")
+        if ar_loss_on not in ("all", "response"):
+            raise ValueError(f"ar_loss_on must be 'all' or 'response', got {ar_loss_on!r}")
+        self.ar_loss_on = ar_loss_on
         if not diffusion_loss_weight and not ar_loss_weight:
             raise ValueError("diffusion_loss_weight and ar_loss_weight are both 0: no loss")
         self.diffusion_loss_weight = diffusion_loss_weight  # 0: AR only (no corruption, no decoder pass)
@@ -151,11 +154,20 @@ class DiffusionObjective:
         use = torch.rand(b, generator=generator).to(dev) < self.selfcond_prob if self.selfcond_prob > 0 else None
         if not self.diffusion_loss_weight:  # AR only: nothing is decoded or scored by the diffusion loss
             target, use = torch.zeros_like(target), None
-        valid = torch.cat([batch["prompt_valid"].bool(), batch["canvas_valid"].bool()], 1)
-        ar_count = int(valid.sum()) - int(valid.any(-1).sum()) if self.ar_loss_weight else 0
+        ar_count = self._ar_count(batch) if self.ar_loss_weight else 0
         return Plan(chosen=chosen, t=t, x0=x0, xt=xt, target=target,
                     noisy=TokenInfo(info.positions, info.blocks, torch.ones_like(sel), info.valid),
                     selfcond_rows=use, diffusion_count=int(target.sum()), ar_count=ar_count)
+
+    def _ar_count(self, batch: dict[str, Tensor]) -> int:
+        """Targets of the AR loss: every valid token but each row's first; or, for
+        ``ar_loss_on="response"``, every valid canvas token that has a token before it."""
+        prompt_valid, canvas_valid = batch["prompt_valid"].bool(), batch["canvas_valid"].bool()
+        valid = torch.cat([prompt_valid, canvas_valid], 1)
+        if self.ar_loss_on == "all":
+            return int(valid.sum()) - int(valid.any(-1).sum())
+        no_prompt = ~prompt_valid.any(-1) & canvas_valid.any(-1)  # the first response token starts the row
+        return int(canvas_valid.sum()) - int(no_prompt.sum())
 
     def __call__(self, model, batch: dict[str, Tensor], generator: torch.Generator) -> LossTerms:
         return self.run(model, batch, self.plan(batch, generator))
@@ -179,8 +191,12 @@ class DiffusionObjective:
         if self.ar_loss_weight:
             order = compact_valid(clean.valid)
             h = hidden.gather(1, order[..., None].expand_as(hidden))
+            scored = None
+            if self.ar_loss_on == "response":  # targets: the canvas tokens only
+                scored = torch.cat([torch.zeros_like(batch["prompt_valid"], dtype=torch.bool),
+                                    batch["canvas_valid"].bool()], 1).gather(1, order)
             _, ar_sum, ar_count = ar_loss(h, weight, ids.gather(1, order), clean.valid.gather(1, order),
-                                          softcap=softcap, chunk_tokens=self.chunk_tokens)
+                                          scored=scored, softcap=softcap, chunk_tokens=self.chunk_tokens)
         else:
             ar_sum, ar_count = weight.new_zeros(()), torch.zeros((), dtype=torch.long, device=dev)
 

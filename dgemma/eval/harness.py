@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
-from dgemma.diffusion.steps import STEPS, build_step
-from dgemma.diffusion.stopping import build_stopping
 from dgemma.data.sft import encode_prompt
 from dgemma.errors import DGemmaError
 from dgemma.eval.tasks import get_task
+from dgemma.sampling import SamplerConfig, build_sampler as build
 
 EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?sample_ar_steps(?P<steps>\d+)(?P<es>_early_stopping)?$")
+AR_EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?ar_greedy$")
 AR_MAX_TOKENS = 64
 AR_KEYS = ("ar_examples", "ar_max_new_tokens", "ar_tokens", "ar_forward_passes", "ar_tokens_per_forward",
            "ar_tokens_per_second", "ar_seconds")  # None when the AR baseline is skipped
@@ -49,8 +49,9 @@ AR_KEYS = ("ar_examples", "ar_max_new_tokens", "ar_tokens", "ar_forward_passes",
 class Evaluator:
     name: str
     split: str
-    num_steps: int
+    num_steps: int  # 0 for ``ar_greedy``
     early_stopping: bool
+    ar: bool = False  # greedy token-by-token decoding instead of the diffusion sampler
 
 
 def evaluator_name(num_steps: int, early_stopping: bool, split: str | None = None) -> str:
@@ -59,7 +60,10 @@ def evaluator_name(num_steps: int, early_stopping: bool, split: str | None = Non
 
 
 def parse_evaluator(name: str, task) -> Evaluator:
-    """``[split_]sample_ar_steps{N}[_early_stopping]`` -> :class:`Evaluator` (split checked)."""
+    """``[split_]sample_ar_steps{N}[_early_stopping]`` or ``[split_]ar_greedy`` -> :class:`Evaluator`
+    (split checked)."""
+    if m := AR_EVAL_NAME.match(name):
+        return Evaluator(name, task.check_split(m["split"] or task.default_split), 0, False, ar=True)
     m = EVAL_NAME.match(name)
     if not m or int(m["steps"]) < 1:
         raise DGemmaError(f"bad evaluator name {name!r}: expected [SPLIT_]sample_ar_steps<N>[_early_stopping], "
@@ -70,11 +74,15 @@ def parse_evaluator(name: str, task) -> Evaluator:
 
 def default_evaluators(cfg, task) -> list[Evaluator]:
     """``sample_ar_steps{N}`` for N in ``eval_ds.steps``, plus ``_early_stopping`` variants when
-    ``eval_ds.early_stopping`` is set, on the task's default split."""
+    ``eval_ds.early_stopping`` is set, on ``eval_ds.split`` (None: the task's default split)."""
+    split = task.check_split(cfg.eval_ds.split or task.default_split)
+    prefix = None if split == task.default_split else split
+    if not cfg.diffusion.diffusion_loss_weight:  # an AR-only run: its only decoder is the AR one
+        return [Evaluator(f"{prefix}_ar_greedy" if prefix else "ar_greedy", split, 0, False, ar=True)]
     out = []
     for n in cfg.eval_ds.steps:
         for es in (False, True) if cfg.eval_ds.early_stopping else (False,):
-            out.append(Evaluator(evaluator_name(n, es), task.default_split, n, es))
+            out.append(Evaluator(evaluator_name(n, es, prefix), split, n, es))
     return out
 
 
@@ -100,21 +108,16 @@ def max_canvases(cfg) -> int:
 
 def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: float,
                   early_stopping: str | None) -> tuple[CanvasSampler, dict]:
-    """The run's sampler and the settings that describe it (for the record)."""
+    """The run's sampler (``dgemma/sampling.py:build_sampler``) and the settings that describe it."""
     cfg = run.cfg
     noise = run.noise()
-    if step_type not in STEPS:
-        raise DGemmaError(f"denoising step {step_type!r} is not available; choose one of {sorted(STEPS)}")
-    accepted = inspect.signature(STEPS[step_type]).parameters
-    step_kw = {k: v for k, v in {"noise": noise, "temperature": temperature}.items() if k in accepted}
-    step = build_step(step_type, **{**step_kw, **_knobs(cfg, "step.")})
-    rule = early_stopping or "none"
-    stop_kw = {"threshold": cfg.eval_ds.entropy_threshold} if rule == "entropy" else {}
-    stop = build_stopping(rule, **({**stop_kw, **_knobs(cfg, "stop.")} if early_stopping else {}))
-    sampler = CanvasSampler(
-        noise=noise, step=step, num_steps=num_steps, canvas_size=cfg.diffusion.canvas_size,
-        max_canvases=max_canvases(cfg), stop=stop, stop_ids=task.stop_ids(run.tokenizer),
-        temperature=temperature if temperature > 0 else 1.0)  # greedy: self-conditioning reads T=1
+    sampler = build(SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature,
+                                  early_stopping=early_stopping or "none",
+                                  entropy_threshold=cfg.eval_ds.entropy_threshold, max_canvases=max_canvases(cfg),
+                                  step_args=_knobs(cfg, "step."),
+                                  stop_args=_knobs(cfg, "stop.") if early_stopping else {}),
+                    noise=noise, canvas_size=cfg.diffusion.canvas_size, stop_ids=task.stop_ids(run.tokenizer))
+    step, stop, rule = sampler.step, sampler.stop, early_stopping or "none"
     settings = {
         "seed": cfg.eval_ds.seed, "num_steps": num_steps, "step_type": step_type, "step_args": _params(step),
         "temperature": temperature, "early_stopping": early_stopping, "stopping": {"rule": rule, **_params(stop)},
@@ -165,6 +168,13 @@ def batches(records: list[dict], batch_size: int, max_batches: int | None) -> li
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
+
+
+def _dtype(model) -> str:
+    """The weights' dtype, or ``bfloat16 autocast`` inside an autocast region (training's eval hook)."""
+    if torch.is_autocast_enabled(_device(model).type):
+        return f"{str(torch.get_autocast_dtype(_device(model).type)).removeprefix('torch.')} autocast"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 # ------------------------------------------------------------------------------------ sampling
@@ -279,7 +289,7 @@ def evaluate(run, task, *, eval_name: str, num_steps: int, step_type: str, tempe
     ar_tps = stats.get("ar_tokens_per_second")
     stats["speedup_vs_ar"] = stats["tokens_per_second"] / ar_tps if ar_tps else None
     settings.update(batch_size=e.batch_size, num_batches=cfg.aux.eval_num_batches, prompt_len=cfg.data.prompt_len,
-                    device=str(_device(run.model)), threads=torch.get_num_threads())
+                    device=str(_device(run.model)), dtype=_dtype(run.model), threads=torch.get_num_threads())
     result = {"eval_name": eval_name, "task": task.name, "split": split, "source": task.source(cfg, split),
               "checkpoint_step": run.step, "num_examples": len(gen.records), "metrics": metrics, "stats": stats,
               "settings": settings}
@@ -288,6 +298,41 @@ def evaluate(run, task, *, eval_name: str, num_steps: int, step_type: str, tempe
     _scalars(tb, eval_dir(run, out_dir) / "tb", eval_name, run.step, {**metrics, **stats})
     if visualize:
         _visualize(run, task, gen, sampler, out / "viz", run.step)
+    return result
+
+
+def evaluate_ar(run, task, *, eval_name: str, split: str | None = None, records: list[dict] | None = None,
+                out_dir: str | Path | None = None, max_new_tokens: int | None = None, tb=None) -> dict:
+    """Greedy AR decoding of every record through the KV cache, scored like the diffusion
+    evaluators (the baseline an AR fine-tune is judged by). ``max_new_tokens`` defaults to the
+    diffusion sampler's budget, ``canvas_size * max_canvases``; files as :func:`evaluate`."""
+    cfg, e = run.cfg, run.cfg.eval_ds
+    task = (get_task(task) if isinstance(task, str) else task).configure(cfg)
+    split = task.check_split(split or task.default_split)
+    records = task.load(cfg, split, limit=eval_limit(cfg)) if records is None else records
+    max_new = max_new_tokens or cfg.diffusion.canvas_size * max_canvases(cfg)
+    dev = _device(run.model)
+    gen = Generation([], [], [], [])
+    for batch in batches(records, e.batch_size, cfg.aux.eval_num_batches):
+        ids, valid, truncated = encode_prompts(run.tokenizer, batch, cfg.data.prompt_len, device=dev)
+        res = ar_generate(run.model, ids, valid, max_new_tokens=max_new, stop_ids=task.stop_ids(run.tokenizer))
+        gen.records += batch
+        gen.tokens += res.tokens
+        gen.forward_passes += res.forward_passes
+        gen.steps_used += [[] for _ in batch]
+        gen.seconds += res.seconds
+        gen.truncated += truncated
+    texts = [run.tokenizer.decode(t) for t in gen.tokens]
+    metrics = task.score(texts, gen.records)
+    stats = gen.stats(0)
+    settings = {"decoder": "ar_greedy", "max_new_tokens": max_new, "stop_ids": list(task.stop_ids(run.tokenizer)),
+                "batch_size": e.batch_size, "num_batches": cfg.aux.eval_num_batches, "prompt_len": cfg.data.prompt_len,
+                "device": str(dev), "dtype": _dtype(run.model), "threads": torch.get_num_threads()}
+    result = {"eval_name": eval_name, "task": task.name, "split": split, "source": task.source(cfg, split),
+              "checkpoint_step": run.step, "num_examples": len(gen.records), "metrics": metrics, "stats": stats,
+              "settings": settings}
+    _write(eval_dir(run, out_dir) / eval_name, run.step, result, _examples(task, gen, texts))
+    _scalars(tb, eval_dir(run, out_dir) / "tb", eval_name, run.step, {**metrics, **stats})
     return result
 
 
@@ -351,6 +396,10 @@ def run_evaluators(run, task, evaluators: list[Evaluator], *, out_dir: str | Pat
     results = []
     try:
         for ev in evaluators:
+            if ev.ar:
+                results.append(evaluate_ar(run, task, eval_name=ev.name, split=ev.split, records=records[ev.split],
+                                           out_dir=out_dir, tb=tb))
+                continue
             rule = (e.early_stopping or "entropy") if ev.early_stopping else None
             results.append(evaluate(run, task, eval_name=ev.name, num_steps=ev.num_steps, step_type=e.step_type,
                                     temperature=e.temperature, early_stopping=rule, split=ev.split,

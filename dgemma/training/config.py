@@ -65,6 +65,7 @@ class DiffusionConfig:
     num_canvases: int = 1
     selfcond_prob: float = 0.5  # chance per example of the no-grad first pass
     ar_loss_weight: float = 1.0  # encoder next-token loss beside the diffusion loss; 0 = off
+    ar_loss_on: Literal["all", "response"] = "all"  # AR targets: prompt and response, or the response only
     diffusion_loss_weight: float = 1.0  # 0 = an AR-only model (no corruption, no decoder pass): a baseline
     loss_chunk_tokens: int = 1024  # tokens per chunked-CE slice: peak fp32 logits = this x vocab x 4 B
     decode: Literal["one", "all"] = "one"  # canvases decoded per example: one (adapter) or all (Lite)
@@ -91,6 +92,7 @@ class DataConfig:
     pin_clues: bool = False  # sudoku: clues pinned in the canvas (infilling), never noised nor scored
     path: str | None = None  # None: the task's default source (generator, shared data set)
     prompt_len: int = 256  # 0 for pretraining (no prompt: the whole window is canvases)
+    trim_prompt_padding: bool = False  # cut each step's prompts to its longest one (same math, fewer FLOPs)
     batch_size: int = 8  # per optimiser micro-step and rank
     num_workers: int = 0
     on_error: Literal["skip", "fail"] = "fail"  # a malformed record: count and skip, or stop
@@ -131,6 +133,7 @@ class TrainConfig:
     resume: bool = True  # continue from the workdir's latest complete checkpoint
     log_every: int = 10
     eval_every: int | None = None  # None: evaluate only at the end
+    eval_name: str | None = None  # the evaluator eval_every runs, e.g. train_eval_sample_ar_steps16 (None: the first default)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     nan_rollback_after: int = 5  # consecutive non-finite steps before rolling back
     threads: int | None = None  # torch CPU threads; None = torch's default. Bits depend on it.
@@ -160,6 +163,7 @@ class EvalConfig:
     entropy_threshold: float = 0.05
     max_canvases: int | None = None  # None: the data's num_canvases
     num_examples: int = 256
+    split: str | None = None  # the evaluators' split (None: the task's default, e.g. test)
     seed: int = 0
     path: str | None = None  # chat/completion tasks: the eval JSONL (None: data.path's eval.jsonl sibling)
     regex: str | None = None  # generic tasks: answer extractor with a named group 'answer'

@@ -47,12 +47,18 @@ def find_checkpoint(workdir: str | Path, step: int | None = None) -> Path:
 
 
 def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[str] | None = None,
-             device: str | torch.device | None = None) -> Run:
+             device: str | torch.device | None = None, dtype: str = "float32") -> Run:
     """The run's model at ``step`` (latest complete if None), in eval mode.
 
     ``overrides`` (``--cfg.a.b=v``) apply to the saved config, e.g. a different attention
     back-end or eval settings; architecture changes are refused by the checkpoint check.
+    ``dtype`` (``auto | float32 | bfloat16``, see ``dgemma/device.py:resolve_dtype``) is the
+    dtype of the weights for inference (norms and soft-capping stay fp32). ``auto`` is the run's
+    own training precision: fp32 for a run trained with ``train.dtype="float32"``, else bf16 where
+    the device has native bf16 units.
     """
+    from dgemma.device import resolve_dtype
+
     from dgemma.training.trainer import build_model
 
     workdir = Path(workdir)
@@ -72,4 +78,7 @@ def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[st
     if not cfg.lora.enabled and missing:
         raise DGemmaError(f"{path} lacks weights for {missing[:5]}")
     device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return Run(cfg, model.to(device).eval(), tokenizer, state["step"], path)
+    if dtype == "auto" and cfg.train.dtype == "float32":
+        dtype = "float32"
+    model = model.to(device=device, dtype=resolve_dtype(dtype, device))
+    return Run(cfg, model.eval(), tokenizer, state["step"], path)

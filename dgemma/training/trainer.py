@@ -205,7 +205,7 @@ def build_noise_for(cfg: Config, model, tokenizer):
 def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
     d = cfg.diffusion
     return DiffusionObjective(noise=build_noise_for(cfg, model, tokenizer), canvas_size=d.canvas_size, t_eps=d.t_eps, selfcond_prob=d.selfcond_prob,
-                              ar_loss_weight=d.ar_loss_weight, decode=d.decode, chunk_tokens=d.loss_chunk_tokens,
+                              ar_loss_weight=d.ar_loss_weight, ar_loss_on=d.ar_loss_on, decode=d.decode, chunk_tokens=d.loss_chunk_tokens,
                               loss_on=d.loss_on, diffusion_loss_weight=d.diffusion_loss_weight)
 
 
@@ -272,9 +272,11 @@ def check_memory(model, cfg: Config, device: torch.device, log) -> dict:
 
 
 def _use_bf16(cfg: Config) -> bool:
-    if cfg.train.dtype == "bfloat16":
-        return True
-    return cfg.train.dtype == "auto" and torch.cuda.is_available()
+    """bf16 autocast: asked for, or ``auto`` on a device with native bf16 matrix units
+    (``dgemma/device.py:bf16_native``); fp32 everywhere else."""
+    from dgemma.device import default_device, resolve_dtype
+
+    return resolve_dtype(cfg.train.dtype, default_device()) == torch.bfloat16
 
 
 # ------------------------------------------------------------------------------- logging
@@ -341,6 +343,10 @@ class Trainer:
 
         self.order = DataOrder(len(self.data), seed=cfg.data.seed, rank=self.rank, world=self.world)
         self.memory = check_memory(self.model, cfg, self.device, self.say)
+        from dgemma.device import describe
+
+        self.say(f"compute dtype {'bfloat16 autocast' if _use_bf16(cfg) else 'float32'} on {describe(self.device)} "
+                 f"(train.dtype={cfg.train.dtype})")
         self.module = self._wrap(TrainModule(self.model, self.objective))
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         if not trainable:
@@ -466,6 +472,10 @@ class Trainer:
             t0 = time.perf_counter()
             batches = [{k: v.to(self.device) for k, v in self.data.batch(self.order.next_batch(cfg.data.batch_size)).items()}
                        for _ in range(cfg.train.grad_accum)]
+            if cfg.data.trim_prompt_padding and "prompt_valid" in batches[0]:
+                from dgemma.data.sft import trim_prompt_padding
+
+                batches = trim_prompt_padding(batches)
             self.module.train()
             out = train_step(self.module, batches, self.optimizer, step=self.step, seed=cfg.train.seed,
                              rank=self.rank, world=self.world, clip_norm=cfg.optim.clip_norm,

@@ -1,0 +1,35 @@
+"""The AR baseline of ``configs/sft_pubmedqa_cpu.py``: the same Gemma 3 270M, LoRA (r4, all linear
+layers), data, batch, steps, optimiser, schedule, seed and thread count, trained as a plain
+autoregressive model: next-token loss on the response (and its end-of-turn) only, as SFT does,
+no corruption and no decoder pass (``diffusion_loss_weight=0``), no self-conditioning module
+(an AR model has no previous denoising step to condition on).
+
+It is decoded greedily, token by token, through dgemma's KV cache (the ``ar_greedy``
+evaluator), and it is the model the diffusion fine-tune is judged against.
+
+    dgemma train --cfg=configs/sft_pubmedqa_cpu_ar.py --cfg.workdir=runs/pubmedqa_270m_ar
+    dgemma eval --cfg.workdir=runs/pubmedqa_270m_ar
+"""
+
+from dgemma.models.transformer import ModelConfig
+from dgemma.training.config import (Config, DataConfig, DiffusionConfig, EvalConfig, InitConfig, LoraConfig,
+                                    OptimConfig, TrainConfig)
+
+
+def get_config() -> Config:
+    return Config(
+        model=ModelConfig(self_conditioning=False, attn_implementation="sdpa"),
+        init=InitConfig(base="gemma3-270m"),
+        lora=LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.0, target_modules="all-linear"),
+        diffusion=DiffusionConfig(process="absorbing", mask_token_id=4, canvas_size=128, num_canvases=2,
+                                  selfcond_prob=0.0, ar_loss_weight=1.0, ar_loss_on="response",
+                                  diffusion_loss_weight=0.0, decode="one", loss_chunk_tokens=1024),
+        data=DataConfig(task="pubmedqa", path="data/pubmedqa", prompt_len=1024, trim_prompt_padding=True,
+                        batch_size=2, seed=0),
+        optim=OptimConfig(name="adamw", lr=1e-4, min_lr_ratio=0.1, warmup_steps=60, betas=(0.95, 0.99),
+                          weight_decay=1e-4, clip_norm=1.0),
+        train=TrainConfig(steps=1200, grad_accum=1, seed=0, dtype="auto", checkpoint_every=100, keep_last=2,
+                          log_every=10, eval_every=200, eval_name="train_eval_ar_greedy", threads=1),
+        eval_ds=EvalConfig(batch_size=16, steps=[8, 16, 32], step_type="commit", temperature=0.0,
+                           early_stopping="entropy", num_examples=500),
+    )

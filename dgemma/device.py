@@ -1,0 +1,84 @@
+"""Which floating-point type to compute in, decided from the hardware at run time.
+
+bf16 pays on a CPU only where it has native bf16 matrix instructions (Intel AMX-BF16, the
+AVX512-BF16 of Intel Cooper Lake+ and AMD Zen 4+, Arm's BF16 extension). Elsewhere oneDNN
+emulates it and it is slower than fp32, so ``"auto"`` never assumes it: it reads the
+processor's flags. On CUDA, ``"auto"`` is bf16 where the GPU supports it (Ampere and later).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from dgemma.errors import DGemmaError
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16")
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # Linux /proc/cpuinfo names
+
+
+def _linux_cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):  # x86 | arm64
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@functools.cache
+def cpu_bf16_features() -> tuple[str, ...]:
+    """The native bf16 matrix features of this CPU (empty: none)."""
+    system = platform.system()
+    if system == "Linux":
+        flags = _linux_cpu_flags()
+        found = [f for f in CPU_BF16_FLAGS if f in flags]
+        if "bf16" in flags and platform.machine() in ("aarch64", "arm64"):
+            found.append("arm_bf16")
+        return tuple(found)
+    if system == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True,
+                                 timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ()
+        return ("arm_bf16",) if out == "1" else ()
+    return ()
+
+
+def bf16_native(device: torch.device | str) -> bool:
+    """Whether bf16 matrix work is native (faster than fp32) on ``device``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(cpu_bf16_features())
+    return False
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """``"auto" | "float32" | "bfloat16"`` -> the torch dtype to compute in on ``device``."""
+    if name not in DTYPE_NAMES:
+        raise DGemmaError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {name!r}")
+    if name == "auto":
+        return torch.bfloat16 if bf16_native(device) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def describe(device: torch.device | str) -> str:
+    """One line for logs and result files: the device and why ``auto`` chose what it chose."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        feats = cpu_bf16_features()
+        return f"cpu ({', '.join(feats) if feats else 'no native bf16'})"
+    return str(device)
