@@ -194,6 +194,7 @@ def measure_sampling(cfg, ar_cfg, device, *, steps: tuple[int, ...], canvases: i
     from dgemma.diffusion.sampler import CanvasSampler, ar_generate
     from dgemma.diffusion.schedules import get_schedule
     from dgemma.diffusion.steps import build_step
+    from dgemma.eval.lite import analytic_tokens_per_forward
     from dgemma.models.transformer import DiffusionGemma
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -228,7 +229,8 @@ def measure_sampling(cfg, ar_cfg, device, *, steps: tuple[int, ...], canvases: i
         res = fastest(lambda: sampler(models["diffusion"], ids, valid, generator=torch.Generator(device).manual_seed(0)))
         s = res.stats()
         rows.append({"name": f"commit T={t}", "num_steps": t, **s,
-                     "analytic_tokens_per_forward": c / (t + 1),
+                     "analytic_tokens_per_forward": analytic_tokens_per_forward(c, t, canvases,
+                                                                                schedule=noise.schedule),
                      "speedup_vs_ar": s["tokens_per_second"] / ar["tokens_per_second"]})
         say(f"  commit T={t}: {s['tokens_per_second']:.0f} tok/s, {s['tokens_per_forward']:.2f} tok/fwd")
     return {"batch": batch, "canvases": canvases, "new_tokens_per_row": n_new, "dtype": str(dtype),

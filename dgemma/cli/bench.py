@@ -47,6 +47,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")
+    p.add_argument("--only", choices=["step_cost"], help="decode: only the per-forward cost rows (step_cost)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="decode --only step_cost: the dtype (auto: bf16 where the CPU/GPU has native bf16 units)")
     p.add_argument("--device", default=None, help="torch device (default: cpu; the gpu suite uses cuda)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's, = cores)")
     args = p.parse_args(argv)
@@ -87,6 +90,18 @@ def run(argv: list[str]) -> int:
     if ctx.device.startswith("cuda") and not args.quick and args.suite != "gpu":
         ctx.profile = "gpu"
     torch.manual_seed(0)
+    if args.only:
+        if args.suite != "decode":
+            raise DGemmaError(f"--only {args.only} belongs to the decode suite, not {args.suite}")
+        from dgemma.bench import step_cost
+        from dgemma.device import resolve_dtype
+
+        result = step_cost.run(ctx, (resolve_dtype(args.dtype, ctx.device),))
+        result["command"] = "dgemma bench " + " ".join(argv)
+        path = write_result(result, ctx.out)
+        _print_result(result)
+        print(f"wrote {path}", flush=True)
+        return 0
     suites = ALL if args.suite == "all" else (args.suite,)
     started = time.perf_counter()
     summary = {"suites": {}, "ratios": [], "command": "dgemma bench " + " ".join(argv)}

@@ -84,6 +84,7 @@ class CanvasSampler:
     temperature: float = 0.7  # for the self-conditioning signal and the stopping entropy
     t_max: float = 1.0
     use_cache: bool = True
+    skip_committed: bool = True  # LM head and self-conditioning on uncommitted positions only (commit steps)
     record: bool = False
     # Optional per-step callback, called after every denoising step with keyword arguments
     # canvas, step, t, rows (original row indices of the rows in this step), tokens, committed,
@@ -142,14 +143,15 @@ class CanvasSampler:
             for i in range(self.num_steps):
                 t = grid[i].expand(running.numel()).to(dev)
                 if self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
-                    logits = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
-                                   write=False, selfcond=selfcond, t=t)
+                    hidden = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
+                                   write=False, selfcond=selfcond, t=t, return_hidden=True)
                 else:
                     ids = torch.cat([ctx_ids, state.tokens], 1)
-                    logits = model(ids, info=ctx_info.cat(noisy[running]), selfcond=_pad_left(selfcond, ctx_ids), t=t)
-                    logits = logits[:, -c:]
-                if self.forbid is not None:  # never predict the absorbing mask token
-                    logits[..., self.forbid] = float("-inf")
+                    hidden = model(ids, info=ctx_info.cat(noisy[running]), selfcond=_pad_left(selfcond, ctx_ids), t=t,
+                                   return_hidden=True)[:, -c:]
+                # committed positions can no longer change: the LM head runs on the open ones only
+                open_ = ~state.committed if self.skip_committed and getattr(self.step, "commits", False) else None
+                logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
                 for r in active[running].tolist():
                     fwd[r] += 1
                 is_last = i == self.num_steps - 1
@@ -160,9 +162,11 @@ class CanvasSampler:
                 temp = schedule(float(grid[i])) if (schedule := getattr(self.step, "schedule_temperature", None)) \
                     else self.temperature
                 if model.self_conditioning is not None:  # T <= 0 (greedy) conditions on the plain softmax
-                    selfcond = probs_embedding(logits.float() / (temp if temp > 0 else 1.0), embed)
+                    selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, embed, state.tokens, open_)
                 done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
                     self.stop.update(logits, temp)
+                settled = state.committed.all(-1)  # every position committed: nothing left to denoise
+                done = done | settled
                 if self.on_step is not None:
                     self.on_step(canvas=k, step=i, t=float(grid[i]), rows=active[running].tolist(),
                                  tokens=state.tokens, committed=state.committed, argmax=logits.argmax(-1), done=done)
@@ -174,7 +178,8 @@ class CanvasSampler:
                 if done.any():
                     # rows that completed the schedule emit their final state; early-stopped rows
                     # emit the argmax canvas of their last prediction
-                    final = state.tokens if is_last else logits.argmax(-1)
+                    final = state.tokens if is_last else torch.where(settled[:, None], state.tokens,
+                                                                     logits.argmax(-1))
                     canvas[running[done]] = final[done]
                     for r in active[running[done]].tolist():
                         steps_used[r].append(i + 1)
@@ -212,6 +217,40 @@ class CanvasSampler:
                 prefix_ids = torch.cat([prefix_ids[keep], canvas], 1)
                 prefix_info = prefix_info[keep].cat(clean)
         return SampleResult(out, fwd, steps_used, time.perf_counter() - t0, traj)
+
+
+def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *, forbid: int | None = None) -> Tensor:
+    """``[B, C, V]`` logits of the canvas, the LM head run only where ``open_`` (None: everywhere).
+
+    A committed position is certain: its row is its token's one-hot in logit form (0 there,
+    the dtype's lowest value elsewhere), so argmax, confidence (1) and entropy (0) read as they
+    should, at no vocabulary cost. ``forbid`` (the absorbing mask token) is never predicted.
+    """
+    if open_ is None or bool(open_.all()):
+        logits = model.logits(hidden)
+    else:
+        z = model.logits(hidden[open_])  # [N_open, V]
+        logits = z.new_full((*open_.shape, z.shape[-1]), torch.finfo(z.dtype).min)
+        logits[open_] = z
+        closed = (~open_).nonzero(as_tuple=True)
+        logits[(*closed, tokens[closed])] = 0.0
+    if forbid is not None:
+        logits[..., forbid] = float("-inf")
+    return logits
+
+
+def selfcond_signal(logits: Tensor, temperature: float, embed: Tensor, tokens: Tensor,
+                    open_: Tensor | None) -> Tensor:
+    """The next step's self-conditioning input, ``softmax(logits / T) @ E`` (``[B, C, d]``).
+
+    Where ``open_`` is False the logits are a one-hot (:func:`vocab_logits`), whose softmax is
+    exactly that token: the signal is its embedding row, looked up instead of multiplied out.
+    """
+    if open_ is None or bool(open_.all()):
+        return probs_embedding(logits / temperature, embed)
+    out = embed[tokens]  # [B, C, d]
+    out[open_] = probs_embedding(logits[open_] / temperature, embed)
+    return out
 
 
 def diffusiongemma_sampler(vocab_size: int, canvas_size: int = 256, *, max_new_tokens: int = 256,

@@ -170,6 +170,21 @@ class CommitStep:
     commits everything.
     """
 
+    commits = True  # committed positions are final: the sampler skips their vocabulary work
+
+    @staticmethod
+    def passes(schedule: Schedule, num_steps: int, width: int) -> int:
+        """Denoising passes a canvas of ``width`` free positions takes on this pace without early
+        stopping: the sampler ends a canvas once every position is committed, which on a
+        front-loaded schedule (cosine) can come before step ``num_steps``."""
+        from dgemma.diffusion.schedules import time_grid
+
+        grid = time_grid(num_steps)
+        for i in range(num_steps - 1):
+            if math.ceil(float(schedule.alpha(grid[i + 1])) * width - 1e-6) >= width:
+                return i + 1
+        return num_steps
+
     def __init__(self, noise: NoiseProcess, schedule: Schedule | None = None, temperature: float = 0.0):
         self.noise = noise
         self.schedule = noise.schedule if schedule is None else schedule
@@ -201,6 +216,8 @@ class ConfidenceStep:
     """Threshold step (Fast-dLLM, SDAR): commit every uncommitted position whose confidence
     exceeds ``threshold``; if none does, commit the single most confident one; the last step
     commits everything. Uncommitted positions are redrawn from pure noise, as in CommitStep."""
+
+    commits = True  # committed positions are final: the sampler skips their vocabulary work
 
     def __init__(self, noise: NoiseProcess, threshold: float = 0.9, temperature: float = 0.0):
         if not 0.0 <= threshold <= 1.0:

@@ -277,10 +277,16 @@ def nelbo_bound(run, batches: list[dict], *, points: int = 16, seed: int = 0, se
 
 
 # ------------------------------------------------------------------------------------- generation
-def analytic_tokens_per_forward(canvas_size: int, num_steps: int, canvases: int, prompt_len: int = 1) -> float:
+def analytic_tokens_per_forward(canvas_size: int, num_steps: int, canvases: int, prompt_len: int = 1,
+                                schedule=None) -> float:
     """Tokens per forward of a run with no early stop: ``M C`` tokens over one prefill (if there
-    is a prompt), ``M T`` denoising passes and ``M - 1`` re-encodes."""
-    return canvases * canvas_size / ((1 if prompt_len else 0) + canvases * num_steps + canvases - 1)
+    is a prompt), ``M T'`` denoising passes and ``M - 1`` re-encodes, where ``T'`` is ``T`` or,
+    given the commit step's ``schedule``, the pass after which it has committed every position
+    (``dgemma/diffusion/steps.py:CommitStep.passes``)."""
+    from dgemma.diffusion.steps import CommitStep
+
+    passes = num_steps if schedule is None else CommitStep.passes(schedule, num_steps, canvas_size)
+    return canvases * canvas_size / ((1 if prompt_len else 0) + canvases * passes + canvases - 1)
 
 
 def _sampler(run, num_steps: int, rule: str | None, canvases: int):
@@ -332,7 +338,7 @@ def generation_speed(run, *, steps=GEN_STEPS, adaptive=ADAPTIVE, adaptive_steps:
         rows.append({"name": f"commit_steps{num_steps}" + (f"_{rule}" if rule else ""), "num_steps": num_steps,
                      "stopping": rule or "none", **s,
                      "analytic_tokens_per_forward": None if rule else analytic_tokens_per_forward(
-                         sampler.canvas_size, num_steps, canvases),
+                         sampler.canvas_size, num_steps, canvases, schedule=sampler.step.schedule),
                      "speedup_vs_ar": s["tokens_per_second"] / ar["tokens_per_second"]})
     return {"prompt": "EOS (unconditional)", "batch": batch, "canvases": canvases, "new_tokens_per_row": n_new,
             "step": "commit", "temperature": run.cfg.eval_ds.temperature, "seed": seed, "repeats": repeats,

@@ -3,7 +3,10 @@
 Slots are shared by all rows of a batch; each slot also stores its token's position, block and
 validity, so rows with prompts of different lengths (right padding) live in one cache and the
 attention masks stay exact. Only clean (encoder) tokens are ever written: a decoder pass over a
-noisy canvas reads the cache and attends to its own keys transiently, leaving every slot as it was.
+noisy canvas reads the cache and attends to its own keys transiently, leaving every filled slot
+as it was. Its keys go into the free slots after the cursor, used as scratch (the cursor does not
+move), so a denoising step copies no prefix: the buffers are allocated once, at the first write,
+for ``max_len`` slots. Under autograd (training) it concatenates instead.
 
 Lifecycle::
 
@@ -68,9 +71,14 @@ class KVCache:
             return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
         if layer not in self.keys:
             raise RuntimeError("empty KVCache: prefill it before decoding")
-        past_k = self.keys[layer][:, :, :start]
-        past_v = self.values[layer][:, :, :start]
-        return torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        keys, values = self.keys[layer], self.values[layer]
+        if start + n <= self.max_len and not (torch.is_grad_enabled() and (keys.requires_grad or k.requires_grad)):
+            # scratch: the free slots after the cursor hold the noisy keys for this forward only
+            # (the cursor does not move, so the next write overwrites them): no copy of the prefix
+            keys[:, :, start:start + n] = k
+            values[:, :, start:start + n] = v
+            return keys[:, :, :start + n], values[:, :, :start + n]
+        return torch.cat([keys[:, :, :start], k], 2), torch.cat([values[:, :, :start], v], 2)
 
     def key_info(self, q: TokenInfo) -> TokenInfo:
         """Metadata of every key a forward over ``q`` attends to (filled slots, then ``q``)."""

@@ -78,8 +78,13 @@ def expected_embedding(
 
 
 def probs_embedding(logits: Tensor, weight: Tensor) -> Tensor:
-    """``softmax(logits) @ weight`` for logits the sampler already holds (``[.., V]`` -> ``[.., d]``)."""
-    return (torch.softmax(logits.float(), -1) @ weight.float()).to(weight.dtype)
+    """``softmax(logits) @ weight`` for logits the sampler already holds (``[.., V]`` -> ``[.., d]``).
+
+    The softmax runs in fp32 (at least); the product in the embedding's own dtype, so a bf16
+    model never casts its ``[V, d]`` embedding (670 MB in fp32 for Gemma 3) at every step.
+    """
+    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+    return probs.to(weight.dtype) @ weight
 
 
 def sinusoidal(t: Tensor, dim: int, max_period: float = 10_000.0) -> Tensor:

@@ -1,0 +1,126 @@
+"""``dgemma bench decode --only step_cost``: what one denoising forward costs, in AR steps.
+
+One cached forward of ``C`` new tokens after a 64-token prompt, full LM head, batch 1, for
+``C`` in 1, 16, 32, 64, 128, 256, for dgemma (a decoder pass of a noisy canvas against the KV
+cache, written nowhere) and for transformers' ``Gemma3ForCausalLM`` (``C`` tokens appended to its
+``DynamicCache``, a copy of the prefilled one at each call), both holding the Gemma 3 270M's weights in the
+same dtype. ``vs_ar_step`` is the forward's median time over the median time of one AR step
+(``C = 1``) of the same implementation and dtype: a sampler that commits more tokens per pass
+than that ratio decodes faster than AR on this machine. Timings of the two implementations are
+interleaved (a, b, a, b, ...), so load drift hits both alike.
+
+For bf16 rows, ``argmax_agree_fp32`` is the fraction of the ``C`` positions whose greedy token
+is the same as in fp32 (same weights, same inputs): what bf16 costs in decisions.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from dgemma.bench import fixtures
+from dgemma.bench.common import Context, add_ratio, finish, format_table, measure_interleaved, new_result
+
+CANVASES = (1, 16, 32, 64, 128, 256)
+PROMPT = 64
+COLUMNS = [("impl", "impl"), ("dtype", "dtype"), ("canvas", "C"), ("repeats", "n"), ("median_s", "s"),
+           ("vs_ar_step", "x AR step"), ("vs_transformers", "x transformers"), ("argmax_agree_fp32", "argmax = fp32")]
+
+
+def _dgemma_forward(model, prompt_ids: torch.Tensor, c: int):
+    """The timed call: one noisy canvas of ``c`` tokens against the prefilled cache (C = 1: the
+    AR step, a clean token written at the cursor and rolled back)."""
+    from dgemma.models.kv_cache import KVCache
+    from dgemma.models.masks import TokenInfo
+
+    p = prompt_ids.shape[1]
+    cache = KVCache(1, p + max(CANVASES))
+    model(prompt_ids, cache=cache, return_hidden=True)
+    gen = torch.Generator().manual_seed(c)  # the same canvas in every dtype
+    tokens = torch.randint(3, model.config.vocab_size, (1, c), generator=gen).to(prompt_ids.device)
+    pos = (p + torch.arange(c, device=prompt_ids.device))[None]
+    ones = torch.ones(1, c, dtype=torch.bool, device=prompt_ids.device)
+    if c == 1:
+        info = TokenInfo(pos, torch.zeros_like(pos), ~ones, ones)
+
+        def call():
+            out = model(tokens, info=info, cache=cache)
+            cache.truncate(p)
+            return out
+    else:
+        info = TokenInfo(pos, torch.ones_like(pos), ones, ones)
+
+        def call():
+            return model(tokens, info=info, cache=cache, write=False)
+    return call, tokens
+
+
+def _hf_forward(hf, prompt_ids: torch.Tensor, tokens: torch.Tensor):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    with torch.no_grad():
+        hf(input_ids=prompt_ids, past_key_values=cache, use_cache=True)
+    def call():  # a copy of the prefilled cache (64 tokens: ~2 MB for the 270M), since sliding layers cannot crop
+        return hf(input_ids=tokens, past_key_values=copy.deepcopy(cache), use_cache=True).logits
+    return call
+
+
+def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
+    started = time.perf_counter()
+    result = new_result("decode", ctx)
+    result["settings"]["only"] = "step_cost"
+    rows = []
+    reps = ctx.reps(3 if ctx.quick else 7)
+    reference: dict[int, torch.Tensor] = {}  # fp32 argmax per canvas size (dgemma), for the agreement column
+    canvases = CANVASES[:3] if ctx.quick else CANVASES
+    with torch.no_grad():
+        for dtype in sorted(set(dtypes) | {torch.float32}, key=lambda d: d != torch.float32):
+            if ctx.quick:
+                model = fixtures._seeded_model(fixtures.tiny_config()).to(ctx.device, dtype).eval()
+                source, hf = "tiny-random", fixtures.hf_twin(ctx, model, "tiny-random", dtype=dtype,
+                                                              key=f"tiny-{dtype}")
+            else:
+                model, _, source = fixtures.load_270m(ctx, dtype=dtype)
+                hf = fixtures.hf_twin(ctx, model, source, dtype=dtype)
+            gen = torch.Generator().manual_seed(0)  # the same prompt in every dtype
+            prompt = torch.randint(3, model.config.vocab_size, (1, PROMPT if not ctx.quick else 8), generator=gen)
+            prompt = prompt.to(ctx.device)
+            name = str(dtype).removeprefix("torch.")
+            timed = {}
+            for c in canvases:
+                ours, tokens = _dgemma_forward(model, prompt, c)
+                fns = {"dgemma": ours}
+                if hf is not None:
+                    fns["transformers"] = _hf_forward(hf, prompt, tokens)
+                for fn in fns.values():
+                    fn()  # warm-up
+                ms = measure_interleaved(fns, repeats=reps, max_seconds=None if ctx.quick else 20.0, device=ctx.device)
+                argmax = ours().argmax(-1).cpu()
+                if dtype == torch.float32:
+                    reference[c] = argmax
+                for impl, m in ms.items():
+                    timed[(impl, c)] = m.median_s
+                    row = {"kind": "step_cost", "impl": impl, "dtype": name, "canvas": c, "median_s": m.median_s,
+                           "repeats": m.repeats, "source": source}
+                    if impl == "dgemma" and dtype != torch.float32 and c in reference:
+                        row["argmax_agree_fp32"] = float((argmax == reference[c]).float().mean())
+                    rows.append(row)
+            if dtype not in dtypes:  # fp32 was run only as the agreement reference
+                rows = [r for r in rows if r["dtype"] != name]
+                continue
+            for r in rows:
+                if r["dtype"] == name:
+                    r["vs_ar_step"] = r["median_s"] / timed[(r["impl"], 1)]
+                    if r["impl"] == "dgemma" and ("transformers", r["canvas"]) in timed:
+                        r["vs_transformers"] = r["median_s"] / timed[("transformers", r["canvas"])]
+    result["rows"] = rows
+    result["tables"].append(format_table(rows, COLUMNS, title=f"== decode --only step_cost: one forward of C new "
+                                                              f"tokens after a {PROMPT}-token prompt, batch 1"))
+    for r in rows:
+        if r["impl"] == "dgemma" and r.get("vs_transformers") is not None:
+            add_ratio(result, f"step_cost {r['dtype']} C={r['canvas']}: dgemma time / transformers time",
+                      r["vs_transformers"], baseline="transformers' forward", higher_is_better=False)
+    return finish(result, ctx, started)

@@ -1,0 +1,195 @@
+"""The shortcuts that make training and sampling cheaper change no result they claim to keep.
+
+- AR loss on the response only == the full-logits next-token loss over response targets (fp64);
+- trimmed prompt padding == the padded batch (fp64 losses, every term);
+- the KV cache's scratch decoder pass == a cache that concatenates (fp64);
+- committed positions skip the LM head: the sampler's logits and self-conditioning signal equal
+  those computed from full logits with committed rows replaced by their one-hot;
+- bf16 is chosen from the CPU's flags, never assumed.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dgemma.data.sft import trim_prompt_padding
+from dgemma.device import bf16_native, cpu_bf16_features, resolve_dtype
+from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
+from dgemma.diffusion.objective import DiffusionObjective
+from dgemma.diffusion.sampler import CanvasSampler, selfcond_signal, vocab_logits
+from dgemma.diffusion.schedules import LinearSchedule
+from dgemma.diffusion.steps import CommitStep
+from dgemma.errors import DGemmaError
+from dgemma.models.kv_cache import KVCache
+from dgemma.models.masks import TokenInfo
+from dgemma.models.selfcond import probs_embedding
+from dgemma.models.transformer import DiffusionGemma, ModelConfig
+
+V, C, N = 40, 4, 2
+
+
+def tiny(**kw):
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, **kw)
+    torch.manual_seed(0)
+    return DiffusionGemma(cfg).double()
+
+
+def batch(width=8):
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 3]
+    pvalid = torch.tensor([[i < n for i in range(width)] for n in lens])
+    cvalid = torch.ones(2, N * C, dtype=torch.bool)
+    cvalid[1, C + 2:] = False
+    return {"prompt_ids": torch.randint(2, V, (2, width), generator=g) * pvalid, "prompt_valid": pvalid,
+            "canvas_ids": torch.randint(2, V, (2, N * C), generator=g), "canvas_valid": cvalid,
+            "canvas_mask": torch.tensor([[True, True], [True, True]])}
+
+
+def test_ar_loss_on_response_is_the_next_token_loss_of_the_response():
+    model, b = tiny(), batch()
+    obj = DiffusionObjective(noise=UniformNoise(V, LinearSchedule()), canvas_size=C, selfcond_prob=0.0,
+                             ar_loss_on="response")
+    terms = obj(model, b, torch.Generator().manual_seed(1))
+    # reference: each row's valid tokens in order, the full logits, CE of every response token
+    want_sum, want_n = torch.zeros((), dtype=torch.float64), 0
+    for r in range(2):
+        p = b["prompt_ids"][r][b["prompt_valid"][r]]
+        resp = b["canvas_ids"][r][b["canvas_valid"][r]]
+        ids = torch.cat([p, resp])[None]
+        with torch.no_grad():
+            logits = model(ids)[0]
+        pred = logits[len(p) - 1: len(p) - 1 + len(resp)]
+        want_sum += F.cross_entropy(pred, resp, reduction="sum")
+        want_n += len(resp)
+    assert int(terms.ar_count) == want_n == obj._ar_count(b)
+    torch.testing.assert_close(terms.ar_sum.detach(), want_sum, rtol=1e-12, atol=0)
+    full = DiffusionObjective(noise=UniformNoise(V, LinearSchedule()), canvas_size=C, selfcond_prob=0.0)
+    assert int(full(model, b, torch.Generator().manual_seed(1)).ar_count) > want_n  # the prompt counts there
+
+
+def test_trimmed_prompt_padding_changes_no_loss():
+    model = tiny(self_conditioning=True)
+    obj = DiffusionObjective(noise=UniformNoise(V, LinearSchedule()), canvas_size=C, selfcond_prob=0.5)
+    padded = batch(width=12)
+    (trimmed,) = trim_prompt_padding([padded])
+    assert trimmed["prompt_ids"].shape[1] == 5
+    a = obj(model, padded, torch.Generator().manual_seed(2))
+    b = obj(model, trimmed, torch.Generator().manual_seed(2))
+    for x, y in ((a.diffusion_sum, b.diffusion_sum), (a.ar_sum, b.ar_sum)):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    assert (a.diffusion_count, a.ar_count) == (b.diffusion_count, b.ar_count)
+
+
+def test_trim_uses_one_width_for_every_micro_batch():
+    b1, b2 = batch(width=12), batch(width=12)
+    b2["prompt_valid"][0, :9] = True
+    out = trim_prompt_padding([b1, b2])
+    assert [o["prompt_ids"].shape[1] for o in out] == [9, 9]
+
+
+def test_scratch_decoder_pass_equals_concatenation(monkeypatch):
+    model = tiny()
+    prompt = torch.randint(2, V, (2, 6))
+    noisy = torch.randint(2, V, (2, C))
+    ones = torch.ones(2, C, dtype=torch.bool)
+    info = TokenInfo(6 + torch.arange(C).expand(2, C), torch.ones(2, C, dtype=torch.long), ones, ones)
+    with torch.no_grad():
+        cache = KVCache(2, 6 + C)
+        model(prompt, cache=cache)
+        scratch = model(noisy, info=info, cache=cache)
+        tight = KVCache(2, 6)  # no free slot: the concatenating path
+        model(prompt, cache=tight)
+        concat = model(noisy, info=info, cache=tight)
+    torch.testing.assert_close(scratch, concat, rtol=0, atol=0)
+
+
+def test_committed_positions_skip_the_lm_head_exactly():
+    model = tiny(self_conditioning=True)
+    hidden = torch.randn(2, C, 32, dtype=torch.float64)
+    tokens = torch.randint(2, V, (2, C))
+    open_ = torch.tensor([[True, False, True, False], [False, False, True, True]])
+    with torch.no_grad():
+        got = vocab_logits(model, hidden, tokens, open_, forbid=3)
+        full = model.logits(hidden)
+    ref = torch.full_like(full, torch.finfo(full.dtype).min)
+    ref[open_] = full[open_]
+    closed = ~open_
+    ref[closed] = ref[closed].scatter(-1, tokens[closed][:, None], 0.0)
+    ref[..., 3] = float("-inf")
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    embed = model.model.embed_tokens.weight
+    torch.testing.assert_close(selfcond_signal(got, 0.7, embed, tokens, open_), probs_embedding(ref / 0.7, embed),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_commit_sampler_with_vocabulary_skipping_equals_its_definition(monkeypatch):
+    """The fast sampler emits the tokens of one that runs the LM head on every position and then
+    overwrites the committed rows with their one-hot (the definition), self-conditioned, fp64."""
+    import dgemma.diffusion.sampler as sampler_mod
+
+    model = tiny(self_conditioning=True)
+    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
+    prompt = torch.randint(2, V, (2, 5))
+    valid = torch.ones(2, 5, dtype=torch.bool)
+
+    def sample():
+        s = CanvasSampler(noise=noise, step=CommitStep(noise, temperature=0.0), num_steps=3, canvas_size=C,
+                          max_canvases=2, record=True)
+        return s(model, prompt, valid, generator=torch.Generator().manual_seed(0))
+
+    calls = []
+    real = sampler_mod.vocab_logits
+
+    def counting(model_, hidden, tokens, open_, *, forbid=None):
+        calls.append(None if open_ is None else int(open_.sum()))
+        return real(model_, hidden, tokens, open_, forbid=forbid)
+
+    monkeypatch.setattr(sampler_mod, "vocab_logits", counting)
+    fast = sample()
+    assert any(n is not None and n < 2 * C for n in calls)  # some step really skipped rows
+
+    def definition(model_, hidden, tokens, open_, *, forbid=None):
+        full = model_.logits(hidden)
+        if open_ is not None:
+            closed = ~open_
+            rows = torch.full_like(full[closed], torch.finfo(full.dtype).min)
+            full[closed] = rows.scatter(-1, tokens[closed][:, None], 0.0)
+        if forbid is not None:
+            full[..., forbid] = float("-inf")
+        return full
+
+    monkeypatch.setattr(sampler_mod, "vocab_logits", definition)
+    slow = sample()
+    assert fast.tokens == slow.tokens and fast.steps_used == slow.steps_used
+    assert [[s["argmax"] for s in t] for t in fast.trajectories] == [[s["argmax"] for s in t] for t in slow.trajectories]
+
+
+def test_commit_sampler_stops_once_every_position_is_committed():
+    from dgemma.diffusion.steps import ConfidenceStep
+
+    model = tiny()
+    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
+    s = CanvasSampler(noise=noise, step=ConfidenceStep(noise, threshold=0.0), num_steps=16, canvas_size=C,
+                      max_canvases=1)
+    res = s(model, torch.randint(2, V, (1, 5)), torch.ones(1, 5, dtype=torch.bool),
+            generator=torch.Generator().manual_seed(0))
+    assert res.steps_used == [[1]]  # threshold 0: every position commits at the first step
+
+
+def test_bf16_is_read_from_the_cpu_flags(monkeypatch):
+    import dgemma.device as device
+
+    device.cpu_bf16_features.cache_clear()
+    monkeypatch.setattr(device.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(device, "_linux_cpu_flags", lambda: {"avx512f", "avx2"})
+    assert cpu_bf16_features() == () and not bf16_native("cpu")
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    device.cpu_bf16_features.cache_clear()
+    monkeypatch.setattr(device, "_linux_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert cpu_bf16_features() == ("avx512_bf16",) and resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert resolve_dtype("float32", "cpu") == torch.float32 and resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(DGemmaError, match="dtype must be one of"):
+        resolve_dtype("fp16", "cpu")
+    device.cpu_bf16_features.cache_clear()
