@@ -1,4 +1,4 @@
-"""Lite: a 343,516,160-parameter block-diffusion LM pretrained from scratch (SPEC §1).
+"""Lite: a 343,516,160-parameter block-diffusion LM pretrained from scratch (docs/design.md §1).
 
 Uniform-state noise with a cosine schedule, a block-causal encoder (causal across canvases of
 256, bidirectional within one), time and self-conditioning, every canvas of a 4,096-token window

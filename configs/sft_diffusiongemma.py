@@ -3,7 +3,7 @@
 The base is a transformers ``DiffusionGemmaForBlockDiffusion`` folder (download it first; dgemma
 reads local folders). Its own design is kept: Gemma 4 layers with experts, the post-norm
 self-conditioning block, the canvas-anchored sliding window, a causal encoder that shares every
-weight with the bidirectional decoder. The recipe follows SPEC §2 and NeMo AutoModel's
+weight with the bidirectional decoder. The recipe follows docs/design.md §2 and NeMo AutoModel's
 DiffusionGemma SFT: uniform corruption with t ~ U(1e-3, 1 - 1e-3), cross-entropy over one random
 canvas, encoder AR loss weight 1, two-pass self-conditioning with p = 0.5, LoRA r16 on attention
 and the dense MLP (the router stays frozen; ``--cfg.lora.train_experts=true`` trains the experts in

@@ -1,4 +1,4 @@
-"""SFT recipe (SPEC §6): adapt Gemma 3 270M to PubMedQA with LoRA r4.
+"""SFT recipe (docs/design.md §6): adapt Gemma 3 270M to PubMedQA with LoRA r4.
 
 A 1,024-token prompt (contexts and question, left-truncated) and two 128-token canvases for
 the long answer and its "The answer is: yes|no|maybe" tail; LR 1e-4 decaying to 1e-5.

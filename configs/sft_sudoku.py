@@ -1,4 +1,4 @@
-"""SFT recipe (SPEC §6): adapt Gemma 3 270M into a Sudoku diffusion solver with LoRA r8.
+"""SFT recipe (docs/design.md §6): adapt Gemma 3 270M into a Sudoku diffusion solver with LoRA r8.
 
 Uniform-state noise, linear schedule, one 256-token canvas after a 256-token prompt, the
 encoder AR loss (weight 1) beside the diffusion loss, and zero-init self-conditioning (step 0

@@ -1,4 +1,4 @@
-"""SFT recipe (SPEC §6): Gemma 3 270M -> Sudoku diffusion solver, all weights trained.
+"""SFT recipe (docs/design.md §6): Gemma 3 270M -> Sudoku diffusion solver, all weights trained.
 
 As ``sft_sudoku.py`` but without LoRA: full weights with activation checkpointing, Adafactor
 (factored second moments: optimiser state is a small fraction of the weights) and a 1,000-step

@@ -2,13 +2,13 @@
 
 The adapter machinery unchanged: the puzzle is the prompt, prefilled by the causal encoder into
 the KV cache; the 81-digit solution is denoised as one canvas. Absorbing (masked) noise, as
-SPEC §11 found that uniform noise needs far more compute from scratch. Training puzzles are
+docs/design.md §11 found that uniform noise needs far more compute from scratch. Training puzzles are
 generated on the fly (data.path unset); evaluation uses held-out unique puzzles. The clues are
 pinned in the canvas (infilling: never noised, scored or resampled) and the loss is on masked
-cells only (MDLM), the two choices SPEC §11 found mattered most after the noise process. Every
+cells only (MDLM), the two choices docs/design.md §11 found mattered most after the noise process. Every
 canvas cell also gets learned row, column and box embeddings (``model.canvas_position_groups``
 from ``dgemma.data.sudoku.structure_groups``): rotary positions alone cannot tell a cell where
-it sits on the board, and this was SPEC §11's largest single gain. 3,000 steps of batch 64 took
+it sits on the board, and this was docs/design.md §11's largest single gain. 3,000 steps of batch 64 took
 14 min 8 s on the idle 2-core CPU (2 threads, measured end to end) and solve 84.1% of 768
 held-out boards (99.6% easy, 95.3% medium, 57.4% hard; README.md).
 

@@ -1,4 +1,4 @@
-"""Training data by task: one small builder per kind of source (SPEC §5, the chat/completion tasks).
+"""Training data by task: one small builder per kind of source (docs/design.md §5, the chat/completion tasks).
 
 Every builder returns an object with ``len()`` and ``batch(indices) -> dict`` of fixed-shape
 tensors, which is all the trainer needs.

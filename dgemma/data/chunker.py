@@ -1,4 +1,4 @@
-"""The canvas chunker: cut a response into fixed-size canvases (SPEC §3).
+"""The canvas chunker: cut a response into fixed-size canvases (docs/design.md §3).
 
 The response is truncated to ``num_canvases * canvas_size`` tokens and laid out canvas by canvas;
 the rest of the last non-empty canvas is filled with EOS and the canvases after it are PAD

@@ -1,4 +1,4 @@
-"""PubMedQA (labelled set PQA-L): load the official files, split, and build chat records (SPEC §5).
+"""PubMedQA (labelled set PQA-L): load the official files, split, and build chat records (docs/design.md §5).
 
 ``ori_pqal.json`` maps PubMed ids to items with QUESTION, CONTEXTS, LONG_ANSWER and
 final_decision; ``test_ground_truth.json`` maps the 500 test ids to their decisions.
@@ -93,7 +93,7 @@ def load(source_dir) -> tuple[dict[str, dict], dict[str, str]]:
 
 
 def split_ids(items: dict, test_ids) -> dict[str, list[str]]:
-    """SPEC §5 split: ground-truth ids are ``test``; of the rest, in file order, the first 50
+    """docs/design.md §5 split: ground-truth ids are ``test``; of the rest, in file order, the first 50
     are ``train_eval`` and the others ``train``."""
     test_ids = set(test_ids)
     rest = [pmid for pmid in items if pmid not in test_ids]

@@ -1,6 +1,6 @@
 """Sudoku data: grid checks, a bitmask solver, a unique-puzzle generator, Kaggle CSVs, prompts.
 
-Grids and puzzles are 81-character strings in row-major order, ``"0"`` for a blank (SPEC §5).
+Grids and puzzles are 81-character strings in row-major order, ``"0"`` for a blank (docs/design.md §5).
 Everything here is pure Python (plus numpy only for seeding), so it runs anywhere the tests do.
 """
 
@@ -88,7 +88,7 @@ def structure_groups() -> list[list[int]]:
 
 
 def difficulty(clues: int) -> str:
-    """Bucket of a puzzle by its clue count (SPEC §5): easy >= 40, medium 30-39, hard < 30."""
+    """Bucket of a puzzle by its clue count (docs/design.md §5): easy >= 40, medium 30-39, hard < 30."""
     if clues >= 40:
         return "easy"
     if clues >= 30:
@@ -248,7 +248,7 @@ def _shuffled_lines(rnd: random.Random) -> list[int]:
 
 
 def transform_grid(grid: str, rng) -> str:
-    """A random validity-preserving image of a solved grid (SPEC §11's cheap transforms).
+    """A random validity-preserving image of a solved grid (docs/design.md §11's cheap transforms).
 
     Digit relabelling, row swaps within bands, column swaps within stacks, band and stack swaps
     and an optional transpose: each maps valid grids to valid grids.
@@ -416,12 +416,12 @@ def parse_solution(s: str) -> str:
 
 
 def format_prompt(puzzle: str) -> str:
-    """The user turn of SPEC §5: the puzzle as 81 space-separated digits (0 for a blank)."""
+    """The user turn of docs/design.md §5: the puzzle as 81 space-separated digits (0 for a blank)."""
     return " ".join(parse_puzzle(puzzle))
 
 
 def format_response(solution: str) -> str:
-    """The target of SPEC §5: the solution as 81 space-separated digits; must be a valid grid."""
+    """The target of docs/design.md §5: the solution as 81 space-separated digits; must be a valid grid."""
     return " ".join(parse_solution(solution))
 
 

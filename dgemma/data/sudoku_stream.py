@@ -1,7 +1,7 @@
 """An endless, indexable stream of Sudoku training examples, generated on the fly.
 
 Example ``i`` is a pure function of ``(seed, i)``: a transformed image of a grid from a small
-seeded pool (SPEC §11: transforms make ~274k distinct grids/s) with a random number of cells
+seeded pool (docs/design.md §11: transforms make ~274k distinct grids/s) with a random number of cells
 blanked. Uniqueness is not required for training (a model trained on non-unique random blanks
 still solves unique puzzles), which is what makes generation free. Evaluation uses held-out
 unique puzzles drawn from fresh grids (``dgemma prepare sudoku``), never this pool.

@@ -1,4 +1,4 @@
-"""Forward corruption processes ``q(x_t | x0)`` (SPEC §2).
+"""Forward corruption processes ``q(x_t | x0)`` (docs/design.md §2).
 
 Both processes keep each token independently with probability ``alpha(t)`` and otherwise
 replace it by a draw from their noise distribution:

@@ -171,7 +171,7 @@ def diffusion_loss(hidden: Tensor, weight: Tensor, x0: Tensor, mask: Tensor, *,
 
     ``hidden [..., d]`` are the decoder's final hidden states over the canvas; ``x0`` and
     ``mask`` share its leading shape. ``mask`` is every valid (non-pad) canvas position,
-    corrupted or not, and there is no time weighting (SPEC §2). Returns
+    corrupted or not, and there is no time weighting (docs/design.md §2). Returns
     ``(mean, loss_sum, count)`` with ``mean = loss_sum / max(count, 1)``; an all-false mask gives
     a zero loss that still backpropagates. ``kw`` goes to the cross-entropy (``chunk_tokens``,
     ``softcap``); ``impl="full"`` selects the eager reference.

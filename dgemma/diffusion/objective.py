@@ -1,4 +1,4 @@
-"""The training forward of a block-diffusion model (SPEC §2-3).
+"""The training forward of a block-diffusion model (docs/design.md §2-3).
 
 Encode the clean ``[prompt | canvases]`` once (this fills a KV cache and gives the encoder AR
 loss), corrupt the selected canvas(es), and decode them against that cache. The decoder never
@@ -12,7 +12,7 @@ Which canvases are decoded is the only difference between the adapter and Lite:
 - ``one``: one valid canvas per example, uniformly (the adapter);
 - ``all``: every valid canvas at once, each against its own prefix (Lite / BD3-LM style).
 
-``loss_on="all"`` scores every valid position of a decoded canvas, corrupted or not (SPEC §2);
+``loss_on="all"`` scores every valid position of a decoded canvas, corrupted or not (docs/design.md §2);
 ``"noised"`` only the corrupted ones (MDLM's masked loss, for absorbing noise). Pinned tokens
 (``canvas_hint >= 0``, infilling) are never corrupted nor scored.
 

@@ -52,7 +52,7 @@ class SampleResult:
         """Per row: generated tokens (``pad_id`` ones not counted) over denoising passes only.
 
         transformers' DiffusionGemma reports this figure (``tokens_per_forward`` of its
-        ``generate``); ours above also counts the prefill and re-encode passes (SPEC §4).
+        ``generate``); ours above also counts the prefill and re-encode passes (docs/design.md §4).
         """
         return [sum(tok != pad_id for tok in t) / max(sum(s), 1) for t, s in zip(self.tokens, self.steps_used)]
 

@@ -1,4 +1,4 @@
-"""Noise schedules and time grids (SPEC §2).
+"""Noise schedules and time grids (docs/design.md §2).
 
 Time runs from ``t = 0`` (clean) to ``t = 1`` (pure noise). A schedule gives ``alpha(t)``, the
 probability that a token is still clean at time ``t``: ``alpha(0) = 1``, ``alpha(1) = 0``,

@@ -1,4 +1,4 @@
-"""Denoising steps of the canvas sampler (SPEC §4), one small class per rule.
+"""Denoising steps of the canvas sampler (docs/design.md §4), one small class per rule.
 
 A step maps the canvas at time ``t`` and the model's raw logits to the canvas at time ``s < t``:
 ``step(state, logits [B, C, V], t, s, *, generator, is_last) -> CanvasState``. Steps are pure:

@@ -1,4 +1,4 @@
-"""Early stopping of a canvas's denoising loop (SPEC §4).
+"""Early stopping of a canvas's denoising loop (docs/design.md §4).
 
 A rule is stateful per batch row: ``reset(batch)`` at the start of a canvas, then
 ``update(logits, temperature, valid) -> done [B]`` after every step, and ``select(rows)`` when

@@ -10,7 +10,7 @@ Each evaluator writes, under ``DIR/eval/<eval_name>/``:
 
 - ``step_<S>.json`` (``S`` = the checkpoint step): metrics, sampling statistics and every
   setting that decides the numbers (seed, steps, temperature, step rule, stopping rule and
-  thresholds, canvases, batch size, device and thread count: SPEC §8);
+  thresholds, canvases, batch size, device and thread count: docs/design.md §8);
 - ``step_<S>.jsonl``: one line per example with its prompt, output, reference and score;
 - ``viz/step_<S>_ex<k>.{gif,png}`` for the first ``visualize`` examples;
 

@@ -5,7 +5,7 @@ Three measurements, all on the ``val`` split of the run's prepared corpus (``dge
 corpus``), each window cut into canvases exactly as in training:
 
 1. **Validation loss** (:func:`validation_loss`): the training objective itself (unweighted
-   x0 cross-entropy over every canvas position, SPEC §2, self-conditioning drawn as in training)
+   x0 cross-entropy over every canvas position, docs/design.md §2, self-conditioning drawn as in training)
    on a fixed, seeded set of windows and ``t`` draws, so two checkpoints compare on the same
    numbers. For an AR model (``diffusion.diffusion_loss_weight=0``) it is the exact next-token
    NLL, and ``exp`` of it the exact perplexity.
@@ -60,7 +60,7 @@ corpus``), each window cut into canvases exactly as in training:
 3. **Generation** (:func:`generation_speed`): unconditional samples (a one-token EOS prompt:
    the corpus separates documents with EOS) of ``canvases`` canvases, no stop tokens, so every
    setting emits the same number of tokens. Fixed step counts with Lite's ``commit`` step, whose
-   tokens per forward (prefill and re-encode passes counted, SPEC §4) is exactly
+   tokens per forward (prefill and re-encode passes counted, docs/design.md §4) is exactly
    ``M C / (1 + M T + M - 1) = C / (T + 1)``; and adaptive stopping (``entropy``,
    ``stable_confident``) up to ``adaptive_steps``. Wall-clock tokens/s against ``ar_generate``
    (KV cache, greedy) of the AR baseline run given as ``ar_run`` (same backbone, trained the same

@@ -1,4 +1,4 @@
-"""PubMedQA metrics from decoded text (SPEC §5): decision accuracy, macro-F1, counts and BLEU."""
+"""PubMedQA metrics from decoded text (docs/design.md §5): decision accuracy, macro-F1, counts and BLEU."""
 
 from __future__ import annotations
 

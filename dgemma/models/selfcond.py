@@ -56,7 +56,7 @@ def expected_embedding(
     """``softmax(hidden @ weight.T / T) @ weight`` without materialising full-vocabulary logits.
 
     Two passes over vocabulary chunks: a log-sum-exp, then the weighted sum. Used for the
-    detached first pass of self-conditioned training (SPEC §2), where ``[tokens, vocab]`` logits
+    detached first pass of self-conditioned training (docs/design.md §2), where ``[tokens, vocab]`` logits
     would dominate memory. ``hidden [N, d]``, ``weight [V, d]`` -> ``[N, d]``.
     """
     h = hidden.float()

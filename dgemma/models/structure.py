@@ -3,7 +3,7 @@
 Rotary positions are 1-D and relative, so a bidirectional canvas knows only how far apart two
 of its tokens are, never *where* a token sits. Tasks with a 2-D layout need more: a Sudoku
 solution canvas is 81 cells, and a cell's row, column and 3x3 box decide which others constrain
-it (SPEC §11 found row/column/box embeddings the largest single gain from scratch).
+it (docs/design.md §11 found row/column/box embeddings the largest single gain from scratch).
 
 ``ModelConfig.canvas_position_groups`` is a list of *groupings*; each grouping gives one group id
 per canvas offset. The model owns one ``nn.Embedding(num_groups, hidden)`` per grouping

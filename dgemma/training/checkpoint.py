@@ -5,7 +5,7 @@ Layout: ``WORKDIR/checkpoints/step_00001000/`` holding ``model.safetensors`` (we
 states, data sampler offsets: anything picklable) and ``meta.json``. Everything is written into
 a ``.tmp_step_*`` directory, fsynced, and renamed into place, and ``meta.json`` is written last
 with the size and sha256 of every other file: a step directory whose ``meta.json`` is present
-and whose files match it is complete (SPEC §7); anything else is ignored by
+and whose files match it is complete (docs/design.md §7); anything else is ignored by
 :func:`latest_checkpoint` and refused by :func:`load_checkpoint`.
 
 One writer per workdir (rank 0): the next save deletes leftover ``.tmp_*`` directories.

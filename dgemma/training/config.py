@@ -1,7 +1,7 @@
 """Run configuration: one keyword-only dataclass per concern, composed into :class:`Config`.
 
 A run config is a flat Python file defining ``get_config() -> Config`` (no config imports
-another, SPEC §6). Any leaf is overridden on the command line as ``--cfg.optim.lr=3e-4``; values
+another, docs/design.md §6). Any leaf is overridden on the command line as ``--cfg.optim.lr=3e-4``; values
 are parsed and checked against the dataclass annotations, so a typo or a bad value fails before
 any work starts, with the full dotted path and a suggestion. The resolved config is saved as
 ``config.json`` in the workdir and loads back to an equal object.

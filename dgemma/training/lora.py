@@ -6,7 +6,7 @@
 ``PeftModel.from_pretrained(Gemma3ForCausalLM)``.
 
 ``"all-linear"`` is resolved to an explicit list of the decoder's projection names: peft's own
-resolution also wraps ``lm_head`` on a custom module (SPEC §8), and the tied head must stay the
+resolution also wraps ``lm_head`` on a custom module (docs/design.md §8), and the tied head must stay the
 embedding.
 
 The LoRA targets are the attention and dense-MLP projections of every layer; a mixture of

@@ -1,4 +1,4 @@
-"""The training loop shared by the adapter recipes and Lite pretraining (SPEC §6-7).
+"""The training loop shared by the adapter recipes and Lite pretraining (docs/design.md §6-7).
 
 The heart is :func:`train_step`: one optimiser step over ``grad_accum`` micro-batches whose
 losses are normalised by the number of valid tokens in the *whole* step (all micro-batches, all

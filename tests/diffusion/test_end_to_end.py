@@ -1,5 +1,5 @@
 """A tiny model overfits one Sudoku-like example through the real train-and-sample path, then
-reproduces it exactly with every step type (SPEC §2-4 end to end, seconds on a CPU)."""
+reproduces it exactly with every step type (docs/design.md §2-4 end to end, seconds on a CPU)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""SPEC §3's invariant: canvas-by-canvas decoding through the KV cache equals one single-shot
+"""docs/design.md §3's invariant: canvas-by-canvas decoding through the KV cache equals one single-shot
 forward over ``[prompt | clean canvases | noisy canvases]`` with the block mask (fp64)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The Lite recipe's architecture: its exact parameter count (SPEC §1: 343,516,160)."""
+"""The Lite recipe's architecture: its exact parameter count (docs/design.md §1: 343,516,160)."""
 
 import torch
 

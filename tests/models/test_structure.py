@@ -141,7 +141,7 @@ def test_embeddings_reach_only_canvas_tokens():
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("encoder", ["causal", "block"])
 def test_cached_equals_single_shot(attn, encoder):
-    """SPEC §3's invariant with group embeddings: canvas by canvas through the cache (each canvas
+    """docs/design.md §3's invariant with group embeddings: canvas by canvas through the cache (each canvas
     its own call) equals one forward over [prompt | clean canvases | noisy canvases], fp64."""
     model = tiny(canvas_position_groups=GROUPS, self_conditioning=True, attn_implementation=attn,
                  encoder_mode=encoder)
