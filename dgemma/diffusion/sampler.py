@@ -22,7 +22,7 @@ baseline every speed figure is compared with.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -85,6 +85,7 @@ class CanvasSampler:
     t_max: float = 1.0
     use_cache: bool = True
     skip_committed: bool = True  # LM head and self-conditioning on uncommitted positions only (commit steps)
+    fill_after_stop: bool = True  # commit steps: EOS-fill the canvas after its first committed stop token
     record: bool = False
     # Optional per-step callback, called after every denoising step with keyword arguments
     # canvas, step, t, rows (original row indices of the rows in this step), tokens, committed,
@@ -157,6 +158,8 @@ class CanvasSampler:
                 is_last = i == self.num_steps - 1
                 state = self.step(state, logits, float(grid[i]), float(grid[i + 1]), generator=generator,
                                   is_last=is_last)
+                if self.fill_after_stop and open_ is not None and self.stop_ids:
+                    state = fill_after_stop(state, self.stop_ids)
                 # a step with its own temperature schedule (entropy_bound) sets the temperature the
                 # self-conditioning signal and the stopping entropy read, as transformers does
                 temp = schedule(float(grid[i])) if (schedule := getattr(self.step, "schedule_temperature", None)) \
@@ -217,6 +220,25 @@ class CanvasSampler:
                 prefix_ids = torch.cat([prefix_ids[keep], canvas], 1)
                 prefix_info = prefix_info[keep].cat(clean)
         return SampleResult(out, fwd, steps_used, time.perf_counter() - t0, traj)
+
+
+def fill_after_stop(state: CanvasState, stop_ids: tuple[int, ...]) -> CanvasState:
+    """Commit every position after a row's first committed stop token as ``stop_ids[0]`` (EOS).
+
+    The output is cut at the first stop token, so nothing after it can reach the answer; the
+    model was trained to write EOS there (the chunker's fill), and as pinned positions they leave
+    the commit pace to the positions before the stop. Saves their vocabulary work (the LM head
+    and the self-conditioning signal run on open positions only). Example, stop id 1, fill 1:
+    tokens ``[7 1 5 3]`` committed ``[1 1 0 0]`` -> tokens ``[7 1 1 1]`` committed ``[1 1 1 1]``.
+    """
+    stop = torch.isin(state.tokens, torch.tensor(stop_ids, device=state.tokens.device)) & state.committed
+    after = (stop.long().cumsum(-1) - stop.long()) > 0  # strictly after the first committed stop
+    new = after & ~state.committed
+    if not bool(new.any()):
+        return state
+    pinned = new if state.pinned is None else state.pinned | new
+    return replace(state, tokens=torch.where(new, torch.full_like(state.tokens, stop_ids[0]), state.tokens),
+                   committed=state.committed | new, pinned=pinned)
 
 
 def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *, forbid: int | None = None) -> Tensor:

@@ -193,3 +193,34 @@ def test_bf16_is_read_from_the_cpu_flags(monkeypatch):
     with pytest.raises(DGemmaError, match="dtype must be one of"):
         resolve_dtype("fp16", "cpu")
     device.cpu_bf16_features.cache_clear()
+
+
+def test_fill_after_stop_literal_example():
+    from dgemma.diffusion.sampler import fill_after_stop
+    from dgemma.diffusion.steps import CanvasState
+
+    state = CanvasState(tokens=torch.tensor([[7, 1, 5, 3], [7, 5, 1, 3]]),
+                        committed=torch.tensor([[True, True, False, False], [True, False, False, True]]))
+    out = fill_after_stop(state, (1, 6))
+    assert out.tokens.tolist() == [[7, 1, 1, 1], [7, 5, 1, 3]]  # row 2's stop token is not committed yet
+    assert out.committed.tolist() == [[True, True, True, True], [True, False, False, True]]
+    assert out.pinned.tolist() == [[False, False, True, True], [False, False, False, False]]
+    assert fill_after_stop(out, (1, 6)) is out  # nothing new: the same state
+
+
+def test_sampler_fills_after_a_committed_stop_and_paces_the_rest():
+    """A model biased towards EOS commits one at the first step: every position after it is
+    filled with EOS and committed in that same step, and the answer ends at it."""
+    model = tiny()
+    with torch.no_grad():  # bias the tied LM head towards token 1 (EOS)
+        model.model.embed_tokens.weight[1] += 50 * model.model.norm.weight.new_ones(32) / 32 ** 0.5
+    noise = AbsorbingNoise(mask_token_id=3, schedule=LinearSchedule())
+    s = CanvasSampler(noise=noise, step=CommitStep(noise, temperature=0.0), num_steps=4, canvas_size=C,
+                      max_canvases=1, stop_ids=(1,), record=True)
+    res = s(model, torch.randint(4, V, (1, 5)), torch.ones(1, 5, dtype=torch.bool),
+            generator=torch.Generator().manual_seed(0))
+    first = res.trajectories[0][0]
+    k = first["tokens"].index(1) if 1 in first["tokens"] else None
+    assert k is not None and first["committed"][k]
+    assert all(t == 1 and c for t, c in zip(first["tokens"][k + 1:], first["committed"][k + 1:]))
+    assert res.tokens[0][-1] == 1 and len(res.tokens[0]) <= C
