@@ -168,6 +168,12 @@ class CommitStep:
     clean fraction at the next time); a committed position keeps its prediction at commit time
     for good. Every other uncommitted position is redrawn from pure noise. The last step
     commits everything.
+
+    ``block=B`` makes it semi-autoregressive inside the canvas (LLaDA's remedy for SFT models that
+    commit EOS fill first, from the back, until it reaches the front): a step may commit only in
+    the leftmost sub-blocks of ``B`` positions that hold enough open positions for its pace, so
+    later positions wait for earlier ones. Example, ``C = 8, B = 4``, 3 commits due, positions
+    0-1 committed: candidates are positions 2-7 (block 0 has 2 open, too few; blocks 0-1 have 6).
     """
 
     commits = True  # committed positions are final: the sampler skips their vocabulary work
@@ -185,10 +191,14 @@ class CommitStep:
                 return i + 1
         return num_steps
 
-    def __init__(self, noise: NoiseProcess, schedule: Schedule | None = None, temperature: float = 0.0):
+    def __init__(self, noise: NoiseProcess, schedule: Schedule | None = None, temperature: float = 0.0,
+                 block: int | None = None):
+        if block is not None and block < 1:
+            raise DGemmaError(f"commit block must be >= 1 positions, got {block}")
         self.noise = noise
         self.schedule = noise.schedule if schedule is None else schedule
         self.temperature = _check_temperature(temperature)
+        self.block = block
 
     def __call__(
         self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
@@ -208,8 +218,21 @@ class CommitStep:
             stable = (pred == state.prev_pred) & (conf >= state.prev_conf)
             score = score + 2.0 * stable
         score = score.masked_fill(state.committed, -math.inf)
+        if self.block:
+            score = score.masked_fill(~_leftmost_blocks(open_, n_new, self.block), -math.inf)
         new = _top_k_per_row(score, n_new) & open_
         return _renoise(state, self.noise, pred, conf, new, generator)
+
+
+def _leftmost_blocks(open_: Tensor, n_new: Tensor, block: int) -> Tensor:
+    """``[B, C]``: the positions of each row's leftmost sub-blocks of ``block`` positions that
+    together hold at least ``n_new`` open positions (every block if none do)."""
+    width = open_.shape[-1]
+    blk = torch.arange(width, device=open_.device) // block  # [C]
+    per_block = torch.zeros(open_.shape[0], int(blk[-1]) + 1, dtype=torch.long, device=open_.device)
+    per_block.scatter_add_(1, blk.expand_as(open_), open_.long())
+    last = (per_block.cumsum(-1) < n_new[:, None]).sum(-1)  # [B] index of the last block needed
+    return blk[None, :] <= last[:, None]
 
 
 class ConfidenceStep:

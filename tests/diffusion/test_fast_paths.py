@@ -224,3 +224,23 @@ def test_sampler_fills_after_a_committed_stop_and_paces_the_rest():
     assert k is not None and first["committed"][k]
     assert all(t == 1 and c for t, c in zip(first["tokens"][k + 1:], first["committed"][k + 1:]))
     assert res.tokens[0][-1] == 1 and len(res.tokens[0]) <= C
+
+
+def test_commit_blocks_literal_example_and_left_to_right_order():
+    from dgemma.diffusion.steps import CanvasState, _leftmost_blocks
+
+    open_ = torch.tensor([[False, False, True, True, True, True, True, True]])
+    assert _leftmost_blocks(open_, torch.tensor([3]), 4).tolist() == [[True] * 8]
+    assert _leftmost_blocks(open_, torch.tensor([2]), 4).tolist() == [[True] * 4 + [False] * 4]
+    # confidences rise to the right: without blocks the right end commits first, with blocks the left
+    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
+    logits = torch.zeros(1, 8, V, dtype=torch.float64)
+    logits[0, torch.arange(8), 5] = torch.arange(8, dtype=torch.float64)
+    state = CanvasState(tokens=torch.ones(1, 8, dtype=torch.long), committed=torch.zeros(1, 8, dtype=torch.bool))
+    g = torch.Generator().manual_seed(0)
+    plain = CommitStep(noise)(state, logits, 1.0, 0.75, generator=g, is_last=False)
+    blocked = CommitStep(noise, block=4)(state, logits, 1.0, 0.75, generator=g, is_last=False)
+    assert plain.committed.tolist() == [[False] * 6 + [True] * 2]
+    assert blocked.committed.tolist() == [[False, False, True, True] + [False] * 4]
+    with pytest.raises(DGemmaError, match="commit block must be >= 1"):
+        CommitStep(noise, block=0)
