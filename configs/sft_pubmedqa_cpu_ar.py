@@ -1,5 +1,7 @@
 """The AR baseline of ``configs/sft_pubmedqa_cpu.py``: the same Gemma 3 270M, LoRA (r4, all linear
-layers), data, batch, steps, optimiser, schedule, seed and thread count, trained as a plain
+layers), data (the same 5 x 32-token response layout, so the loss covers the same tokens: the
+answer, its end-of-turn and the EOS fill of its last canvas), batch, steps, optimiser, schedule,
+seed and thread count, trained as a plain
 autoregressive model: next-token loss on the response (and its end-of-turn) only, as SFT does,
 no corruption and no decoder pass (``diffusion_loss_weight=0``), no self-conditioning module
 (an AR model has no previous denoising step to condition on).
@@ -21,7 +23,7 @@ def get_config() -> Config:
         model=ModelConfig(self_conditioning=False, attn_implementation="sdpa"),
         init=InitConfig(base="gemma3-270m"),
         lora=LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.0, target_modules="all-linear"),
-        diffusion=DiffusionConfig(process="absorbing", mask_token_id=4, canvas_size=128, num_canvases=2,
+        diffusion=DiffusionConfig(process="absorbing", mask_token_id=4, canvas_size=32, num_canvases=5,
                                   selfcond_prob=0.0, ar_loss_weight=1.0, ar_loss_on="response",
                                   diffusion_loss_weight=0.0, decode="one", loss_chunk_tokens=1024),
         data=DataConfig(task="pubmedqa", path="data/pubmedqa", prompt_len=1024, trim_prompt_padding=True,

@@ -18,6 +18,7 @@ VERBS = {
     "export": "dgemma.cli.export",
     "bench": "dgemma.cli.bench",
     "serve": "dgemma.cli.serve",
+    "lm-eval": "dgemma.cli.lm_eval",
 }
 
 

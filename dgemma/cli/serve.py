@@ -5,7 +5,9 @@ A local web playground (FastAPI + uvicorn; see docs/playground.md): a Sudoku pan
 board step by step with the Sudoku checkpoint (default ``checkpoints/sudoku_small``) and a Text
 panel for any model (default the Gemma 3 270M, loaded on the first text request). It binds to
 127.0.0.1 unless ``--host`` says otherwise; ``--port 0`` picks a free port. ``--checkpoint DIR``
-is a shortcut: a Sudoku run goes to the Sudoku panel, any other run to the Text panel.
+is a shortcut: a Sudoku run goes to the Sudoku panel, any other run to the Text panel. The same
+models answer OpenAI-compatible requests under ``/v1`` (``dgemma/serve/openai_api.py``,
+docs/guides/serving.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dgemma.errors import DGemmaError
 
 DEFAULT_SUDOKU = "checkpoints/sudoku_small"
 DEFAULT_TEXT = "gemma3-270m"
+ADAPTED_TEXT = Path(__file__).resolve().parents[2] / "checkpoints" / "pubmedqa_270m"  # the shipped adapted model
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -29,7 +32,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sudoku-checkpoint", metavar="DIR",
                    help=f"training workdir of the Sudoku model (default {DEFAULT_SUDOKU}; 'none' to disable)")
     p.add_argument("--text-model", metavar="MODEL",
-                   help=f"{DEFAULT_TEXT} (default), a training workdir, a Gemma 3 folder or .gguf, or 'none'")
+                   help=f"a training workdir (default: checkpoints/pubmedqa_270m where shipped, else {DEFAULT_TEXT}, "
+                        f"flagged untrained), a Gemma 3 folder or .gguf, or 'none'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
@@ -72,7 +76,10 @@ def resolve_models(args: argparse.Namespace) -> tuple[str | None, str | None]:
                 raise DGemmaError(f"--checkpoint is a {task} run and --text-model is given too; pass one")
             text = args.checkpoint
     sudoku = DEFAULT_SUDOKU if sudoku is None else _none(sudoku)
-    text = DEFAULT_TEXT if text is None else _none(text)
+    if text is None:  # the shipped adapted model where it exists; the base (flagged untrained) otherwise
+        text = str(ADAPTED_TEXT) if is_run(ADAPTED_TEXT) else DEFAULT_TEXT
+    else:
+        text = _none(text)
     if text is not None and text != DEFAULT_TEXT and not Path(text).exists():
         raise DGemmaError(f"--text-model {text}: no such workdir, folder or file (or give {DEFAULT_TEXT} or none)")
     if sudoku is not None and args.sudoku_checkpoint is not None and not is_run(sudoku):
@@ -128,6 +135,7 @@ def run(argv: list[str]) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"[dgemma] serving the playground at http://{shown}:{port}/  (sudoku: {sudoku or 'none'}, "
           f"text: {text or 'none'}; Ctrl-C stops)", flush=True)
+    print(f"[dgemma] OpenAI-compatible API at http://{shown}:{port}/v1", flush=True)
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # Ctrl-C: end the running streams at once
             stop_all_jobs(app)

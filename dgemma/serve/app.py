@@ -14,11 +14,15 @@ A stream is Server-Sent Events (``text/event-stream``; the page reads it with ``
 denoising step (the board's 81 cells, or the current canvas's tokens, each settled or noisy),
 ``canvas`` (text: a canvas was emitted), then ``done`` (the output and its statistics) or
 ``error``. Bad input never starts a stream: it gets HTTP 400 and ``{"error": "..."}``; a
-missing model or a full server gets 503 with the same shape.
+missing model gets 503 with the same shape, a full server 429 with a ``Retry-After`` header.
+
+The OpenAI-compatible routes under ``/v1`` (``dgemma/serve/openai_api.py``) share the models,
+the job pool, the limits and cancellation; their errors take OpenAI's shape
+(:func:`error_response` picks the shape from the path).
 
 Threads. Sampling never runs on the event loop: each request's sampler runs in a pool of
 ``max_jobs`` threads and hands its events to the loop with ``call_soon_threadsafe``, so one slow
-request delays no other (more than ``max_jobs`` at once are refused with 503). Loading a model
+request delays no other (more than ``max_jobs`` at once are refused with 429). Loading a model
 (the text model is loaded on the first text request) runs in the loop's default thread pool.
 
 Cancellation. Every job has a cancel flag, set when its response ends for any reason: the client
@@ -35,6 +39,7 @@ import contextlib
 import inspect
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -46,12 +51,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma.errors import DGemmaError
 
@@ -75,13 +82,48 @@ class Limits:
     max_delay_ms: int = 2000  # the slow-motion delay per step
     max_jobs: int = 4  # sampling requests running at once
     max_body_bytes: int = 1 << 20
+    max_choices: int = 8  # the OpenAI API's n
 
 
 class Cancelled(Exception):
     """Raised inside the sampler's ``on_step`` hook when the job's client has gone."""
 
 
+class ServeError(DGemmaError):
+    """A refusal with its HTTP status, raised by the helpers both APIs share and answered in the
+    shape of the route's API (:func:`error_response`). ``param`` and ``code`` fill OpenAI's
+    error fields; ``headers`` go on the response (``Retry-After``)."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
+
+
+OPENAI_PREFIX = "/v1/"
+OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def openai_error(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(path: str, message: str, status: int = 400, *, param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    """An error in the shape of the API ``path`` belongs to: OpenAI's under ``/v1/``, the
+    playground's ``{"error": message}`` elsewhere."""
+    body = openai_error(message, status, param, code) if path.startswith(OPENAI_PREFIX) else {"error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 # ----------------------------------------------------------------------------------- models
+UNTRAINED_WARNING = ("an unadapted base model: its diffusion modules are untrained, so its denoised text is not "
+                     "what an adapted model writes (train one with configs/sft_pubmedqa_cpu.py)")
+
+
 @dataclass
 class ModelInfo:
     """What the page needs to know about a model, readable without loading its weights."""
@@ -108,7 +150,8 @@ class ModelInfo:
         return {"source": self.source, "kind": self.kind, "process": self.process, "canvas_size": self.canvas_size,
                 "max_canvases": self.max_canvases, "prompt_len": self.prompt_len, "task": self.task,
                 "pin_clues": bool(self.cfg is not None and getattr(self.cfg.data, "pin_clues", False)),
-                "step_types": self.step_types, "defaults": self.defaults}
+                "step_types": self.step_types, "defaults": self.defaults,
+                "warning": UNTRAINED_WARNING if self.kind == "pretrained" else None}
 
 
 @dataclass
@@ -289,6 +332,13 @@ class Jobs:
             self.running.pop(job.id, None)
             self.counts[status] += 1
 
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the median length of the last finished jobs
+        (a slot frees about that often per running job), 1 to 30."""
+        with self._lock:
+            spans = sorted(j.ended - j.started for j in self.recent if j.ended is not None)
+        return min(30, max(1, math.ceil(spans[len(spans) // 2]))) if spans else 1
+
     def snapshot(self) -> dict:
         with self._lock:
             return {"running": len(self.running), "max_running": self.max_running, **self.counts,
@@ -307,19 +357,35 @@ def stop_all_jobs(app: FastAPI) -> None:
 
 
 class BodyLimit:
-    """ASGI middleware: a request whose Content-Length is over ``limit`` bytes gets 413 unread."""
+    """ASGI middleware: a request whose Content-Length is over ``limit`` bytes gets 413 unread;
+    one without a Content-Length (chunked) gets 413 as soon as what it sent passes the limit
+    (an HTTPException, which FastAPI's body parsing lets through)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            size = dict(scope.get("headers") or []).get(b"content-length", b"")
-            if size.isdigit() and int(size) > self.limit:
-                response = _bad(f"the request body is {int(size)} bytes; the limit is {self.limit}", 413)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        size = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.limit:
+            response = error_response(scope.get("path", ""), f"the request body is {int(size)} bytes; the limit "
+                                      f"is {self.limit}", 413, code="request_too_large")
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise HTTPException(413, f"the request body is over the limit of {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
 
 
 class JobStream(StreamingResponse):
@@ -340,9 +406,11 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def stream_job(executor: ThreadPoolExecutor, jobs: Jobs, job: Job, work: Callable) -> JobStream:
+def stream_job(executor: ThreadPoolExecutor, jobs: Jobs, job: Job, work: Callable,
+               encode: Callable[[str, dict], bytes] = _sse) -> JobStream:
     """Run ``work(emit)`` in ``executor`` and stream what it emits; ``emit(event, data)`` raises
-    :class:`Cancelled` once the job is cancelled."""
+    :class:`Cancelled` once the job is cancelled. ``encode(event, data)`` writes one event
+    (errors are ``("error", {"error": message})``); the default is the playground's SSE."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -355,7 +423,7 @@ def stream_job(executor: ThreadPoolExecutor, jobs: Jobs, job: Job, work: Callabl
     def emit(event: str, data: dict) -> None:
         if job.cancel.is_set():
             raise Cancelled
-        put(_sse(event, data))
+        put(encode(event, data))
 
     def runner() -> None:
         status = "failed"
@@ -365,12 +433,12 @@ def stream_job(executor: ThreadPoolExecutor, jobs: Jobs, job: Job, work: Callabl
         except Cancelled:
             status = "cancelled"
             if jobs.closing:
-                put(_sse("error", {"error": "the server is shutting down"}))
+                put(encode("error", {"error": "the server is shutting down"}))
         except DGemmaError as e:
-            put(_sse("error", {"error": str(e)}))
+            put(encode("error", {"error": str(e)}))
         except Exception as e:  # a bug: tell the page, keep the trace in the log
             log.exception("sampling job %d failed", job.id)
-            put(_sse("error", {"error": f"internal error: {type(e).__name__}: {e}"}))
+            put(encode("error", {"error": f"internal error: {type(e).__name__}: {e}"}))
         finally:
             jobs.finish(job, "cancelled" if status == "failed" and job.cancel.is_set() else status)
             put(None)
@@ -398,6 +466,45 @@ def stream_job(executor: ThreadPoolExecutor, jobs: Jobs, job: Job, work: Callabl
 
     return JobStream(body(), job, media_type="text/event-stream",
                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def run_job(executor: ThreadPoolExecutor, jobs: Jobs, job: Job, work: Callable, request: Request | None = None):
+    """Run ``work(emit)`` in ``executor`` and return its result: a response that is not a
+    stream. ``emit`` sends nothing; it raises :class:`Cancelled` once the job is cancelled, as
+    the sampler's hook should. The job is cancelled when ``request``'s client disconnects
+    (polled every half second) or when the awaiting task is cancelled; errors propagate."""
+    status = "failed"
+
+    def emit(event: str, data: dict) -> None:
+        if job.cancel.is_set():
+            raise Cancelled
+
+    def runner():
+        nonlocal status
+        try:
+            out = work(emit)
+            status = "done"
+            return out
+        except Cancelled:
+            status = "cancelled"
+            raise
+        finally:
+            jobs.finish(job, "cancelled" if status == "failed" and job.cancel.is_set() else status)
+
+    try:
+        future = asyncio.wrap_future(executor.submit(runner))
+    except RuntimeError:  # the pool is shut down: the server is stopping
+        jobs.finish(job, "cancelled")
+        raise ServeError("the server is shutting down", 503, code="shutting_down") from None
+    try:
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=0.5)
+            if done:
+                return future.result()
+            if request is not None and not job.cancel.is_set() and await request.is_disconnected():
+                job.cancel.set()  # nobody will read the answer: stop sampling at the next step
+    finally:
+        job.cancel.set()
 
 
 # ----------------------------------------------------------------------------------- requests
@@ -455,6 +562,9 @@ class Plan:
     seed: int
     delay_s: float
     hints: list[int] | None = None  # [max_canvases * C] token ids pinned in the canvas, -1 = free
+    rows: int = 1  # samples of the prompt (the OpenAI API's n)
+    row_seeds: bool = False  # row i draws from its own stream seeded by (seed, i): see run_sampler
+    top_p: float = 1.0
 
 
 def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: Limits,
@@ -586,25 +696,39 @@ class Progress:
                 "mean_steps_per_canvas": round(s["mean_steps_per_canvas"], 3)}
 
 
-def run_sampler(engine: Engine, plan: Plan, on_step: Progress):
+def run_sampler(engine: Engine, plan: Plan, on_step: Callable):
+    """Sample ``plan.rows`` rows of the plan's prompt. With ``plan.row_seeds`` row ``i`` draws
+    from its own generator seeded by ``derive_seed(seed, i)`` (:class:`~dgemma.diffusion.wrappers.RowSeeded`),
+    so the first of ``n`` samples is the one sample of ``n = 1``; otherwise one generator
+    seeded by ``seed`` serves the batch (the playground's rule)."""
     from dgemma.diffusion.sampler import CanvasSampler
+    from dgemma.diffusion.wrappers import RowSeeded, TopPStep
 
     t = plan.settings["temperature"]
-    sampler = CanvasSampler(noise=engine.noise, step=plan.step, num_steps=plan.settings["num_steps"],
-                            canvas_size=engine.info.canvas_size, max_canvases=plan.max_canvases, stop=plan.stop,
-                            stop_ids=engine.stop_ids, temperature=t if t > 0 else 1.0, on_step=on_step)
+    num_steps = plan.settings["num_steps"]
     dev = engine.device
-    ids = torch.tensor([plan.prompt_ids], dtype=torch.long, device=dev)
+    parts = {"noise": engine.noise, "step": plan.step if plan.top_p >= 1 else TopPStep(plan.step, plan.top_p),
+             "on_step": on_step}
+    if plan.row_seeds:
+        from dgemma.training.trainer import derive_seed
+
+        gens = [torch.Generator(device=dev).manual_seed(derive_seed(plan.seed, i)) for i in range(plan.rows)]
+        parts = RowSeeded(parts["noise"], parts["step"], gens, num_steps=num_steps, stop_ids=engine.stop_ids,
+                          on_step=on_step).kwargs()
+    sampler = CanvasSampler(**parts, num_steps=num_steps, canvas_size=engine.info.canvas_size,
+                            max_canvases=plan.max_canvases, stop=plan.stop, stop_ids=engine.stop_ids,
+                            temperature=t if t > 0 else 1.0)
+    ids = torch.tensor([plan.prompt_ids] * plan.rows, dtype=torch.long, device=dev)
     valid = torch.ones_like(ids, dtype=torch.bool)
     if engine.model.config.attn_implementation == "flex" and ids.shape[1] < engine.info.prompt_len:
         pad = engine.info.prompt_len - ids.shape[1]  # flex kernels are compiled for the trained shape
-        ids = torch.cat([ids, ids.new_full((1, pad), engine.tokenizer.pad_id or 0)], 1)
-        valid = torch.cat([valid, valid.new_zeros((1, pad))], 1)
+        ids = torch.cat([ids, ids.new_full((plan.rows, pad), engine.tokenizer.pad_id or 0)], 1)
+        valid = torch.cat([valid, valid.new_zeros((plan.rows, pad))], 1)
     gen = torch.Generator(device=dev).manual_seed(plan.seed)
     hints = None
     if plan.hints is not None:
         width = plan.max_canvases * engine.info.canvas_size
-        hints = torch.tensor([(plan.hints + [-1] * width)[:width]], dtype=torch.long, device=dev)
+        hints = torch.tensor([(plan.hints + [-1] * width)[:width]] * plan.rows, dtype=torch.long, device=dev)
     return sampler(engine.model, ids, valid, generator=gen, **({} if hints is None else {"hints": hints}))
 
 
@@ -718,16 +842,32 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
+        if request.url.path.startswith(OPENAI_PREFIX):
+            from dgemma.serve.openai_api import validation_error
+
+            return validation_error(exc)
         return _bad(_validation_message(exc))
+
+    @app.exception_handler(ServeError)
+    async def _refused(request: Request, exc: ServeError):
+        return error_response(request.url.path, str(exc), exc.status, param=exc.param, code=exc.code,
+                              headers=exc.headers)
 
     @app.exception_handler(DGemmaError)
     async def _user_error(request: Request, exc: DGemmaError):
-        return _bad(str(exc))
+        return error_response(request.url.path, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if request.url.path.startswith(OPENAI_PREFIX) or exc.status_code == 413:
+            return error_response(request.url.path, str(exc.detail), exc.status_code, headers=exc.headers,
+                                  code="request_too_large" if exc.status_code == 413 else None)
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):  # still JSON, so the page can show it
         log.exception("request %s %s failed", request.method, request.url.path)
-        return _bad(f"internal error: {type(exc).__name__}: {exc}", 500)
+        return error_response(request.url.path, f"internal error: {type(exc).__name__}: {exc}", 500)
 
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
 
@@ -762,26 +902,9 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
         rec = generate_puzzles(1, seed=seed, difficulty=difficulty)[0]
         return {"puzzle": rec["puzzle"], "clues": rec["clues"], "difficulty": rec["difficulty"], "seed": seed}
 
-    async def _engine(role: str) -> Engine | JSONResponse:
-        s: ModelSlot = app.state.models[role]
-        try:
-            return await run_in_threadpool(s.get)
-        except DGemmaError as e:
-            return _bad(f"the {role} model is not available: {e}", 503)
-        except Exception as e:  # a broken checkpoint, out of memory...: say so, keep the trace in the log
-            log.exception("loading the %s model failed", role)
-            s.load_error = f"{type(e).__name__}: {e}"
-            return _bad(f"the {role} model failed to load: {s.load_error}", 503)
-
-    def _start(kind: str, make_work) -> JSONResponse | JobStream:
-        jobs: Jobs = app.state.jobs
-        job = jobs.start(kind)
-        if job is None and jobs.closing:
-            return _bad("the server is shutting down", 503)
-        if job is None:
-            return _bad(f"the server is busy: {jobs.max_running} sampling requests are running (the limit); "
-                        f"try again when one ends", 503)
-        return stream_job(app.state.executor, jobs, job, make_work(job))
+    def _start(kind: str, make_work) -> JobStream:
+        job = start_job(app, kind)
+        return stream_job(app.state.executor, app.state.jobs, job, make_work(job))
 
     @app.post("/api/sudoku/solve")
     async def solve(req: SolveRequest):
@@ -791,9 +914,7 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
             puzzle = parse_puzzle(req.puzzle)
         except DGemmaError as e:
             return _bad(str(e))
-        engine = await _engine("sudoku")
-        if isinstance(engine, JSONResponse):
-            return engine
+        engine = await load_engine(app, "sudoku")
         try:
             ids = encode_user_prompt(engine, {"system": SYSTEM_PROMPT, "prompt": format_prompt(puzzle)})
             plan = make_plan(engine, req, ids, limits)
@@ -812,9 +933,7 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
                         f"{limits.max_prompt_chars} characters")
         if req.max_canvases is not None and req.max_canvases > limits.max_canvases:
             return _bad(f"max_canvases {req.max_canvases} is over the limit of {limits.max_canvases}")
-        engine = await _engine("text")
-        if isinstance(engine, JSONResponse):
-            return engine
+        engine = await load_engine(app, "text")
         try:
             ids = await run_in_threadpool(encode_user_prompt, engine, {"prompt": req.prompt})
             plan = make_plan(engine, req, ids, limits, req.max_canvases)
@@ -822,4 +941,35 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
             return _bad(str(e))
         return _start("text", lambda job: text_work(engine, plan, job, req.prompt))
 
+    from dgemma.serve.openai_api import router
+
+    app.include_router(router)
     return app
+
+
+async def load_engine(app: FastAPI, role: str) -> Engine:
+    """The ``role`` model, loaded on first use in a worker thread; :class:`ServeError` (503)
+    when it is missing or fails to load (the trace goes to the log)."""
+    s: ModelSlot = app.state.models[role]
+    try:
+        return await run_in_threadpool(s.get)
+    except DGemmaError as e:
+        raise ServeError(f"the {role} model is not available: {e}", 503, code="model_not_available") from None
+    except Exception as e:  # a broken checkpoint, out of memory...: say so, keep the trace in the log
+        log.exception("loading the %s model failed", role)
+        s.load_error = f"{type(e).__name__}: {e}"
+        raise ServeError(f"the {role} model failed to load: {s.load_error}", 503, code="model_not_available") from None
+
+
+def start_job(app: FastAPI, kind: str) -> Job:
+    """A slot in the job pool, or :class:`ServeError`: 429 with ``Retry-After`` when
+    ``max_jobs`` requests are sampling, 503 while the server shuts down."""
+    jobs: Jobs = app.state.jobs
+    job = jobs.start(kind)
+    if job is not None:
+        return job
+    if jobs.closing:
+        raise ServeError("the server is shutting down", 503, code="shutting_down")
+    wait = jobs.retry_after()
+    raise ServeError(f"the server is busy: {jobs.max_running} sampling requests are running (the limit); "
+                     f"retry after {wait} s", 429, code="rate_limit_exceeded", headers={"Retry-After": str(wait)})

@@ -1,40 +1,20 @@
-"""Fixtures of the playground tests: a tiny Sudoku run trained in seconds and a live server."""
+"""Fixtures of the server tests: a live server in a thread and ``dgemma serve`` as a process (the
+tiny models they serve are made in ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_SUDOKU = REPO / "checkpoints" / "sudoku_small"
-
-
-def train_tiny_sudoku(workdir: Path) -> Path:
-    """A 1-layer Sudoku run of 10 steps at a high rate: far from solving, but a real workdir that
-    load_run opens, and trained enough to fill the canvas with digits rather than stop tokens."""
-    from dgemma.training.config import parse_cli
-    from dgemma.training.trainer import train
-
-    threads = torch.get_num_threads()
-    cfg, _ = parse_cli([f"--cfg={REPO / 'configs' / 'sudoku_small.py'}", f"--cfg.workdir={workdir}",
-                        "--cfg.train.steps=10", "--cfg.train.checkpoint_every=10", "--cfg.model.num_hidden_layers=1",
-                        '--cfg.model.layer_types=["full_attention"]', "--cfg.data.batch_size=8",
-                        "--cfg.optim.warmup_steps=0", "--cfg.optim.lr=1e-2", "--cfg.data.pin_clues=true"])
-    try:
-        train(cfg)
-    finally:
-        torch.set_num_threads(threads)
-    return workdir
-
-
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory) -> Path:
-    return train_tiny_sudoku(tmp_path_factory.mktemp("serve") / "tiny_sudoku")
 
 
 class LiveServer:
@@ -74,3 +54,44 @@ def live_server():
     yield start
     for s in servers:
         s.stop()
+
+
+class ServeProcess:
+    """``dgemma serve --port 0 ARGS`` as a subprocess on 127.0.0.1 (one torch thread); ``url`` is its
+    base URL, read from the line it prints."""
+
+    def __init__(self, *args: str):
+        cmd = [sys.executable, "-m", "dgemma", "serve", "--port", "0", "--log-level", "warning", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if not line.startswith("[dgemma] serving the playground at http://127.0.0.1:"):
+            self.stop()
+            raise RuntimeError(f"dgemma serve did not start: {line}{self.proc.stderr.read()}")
+        self.url = line.split(" at ")[1].split()[0].rstrip("/")
+        assert self.proc.stdout.readline().strip() == f"[dgemma] OpenAI-compatible API at {self.url}/v1"
+
+    def client(self, **kw):
+        """An ``openai.OpenAI`` client of this server that does not retry (429s must be seen)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60, **kw)
+
+    def status(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/api/status", timeout=30).json()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def serve_process():
+    """:class:`ServeProcess`, for fixtures of any scope to start (and stop) servers with."""
+    return ServeProcess

@@ -118,6 +118,19 @@ def test_info_describes_both_models_without_loading_them(client, tiny_run):
     assert info["limits"]["max_steps"] == 512
 
 
+def test_an_unadapted_base_is_flagged_untrained_and_a_run_is_not(tiny_run, tiny_text_model):
+    from dgemma.cli.serve import parse, resolve_models
+
+    with TestClient(create_app(sudoku=tiny_run, text=str(tiny_text_model))) as c:
+        models = c.get("/api/info").json()["models"]
+    assert "untrained" in models["text"]["warning"] and models["sudoku"]["warning"] is None
+    # the default text model: the shipped adapted run where it exists, else the base (flagged)
+    _, text = resolve_models(parse([]))
+    from dgemma.cli.serve import ADAPTED_TEXT, DEFAULT_TEXT
+
+    assert text == (str(ADAPTED_TEXT) if (ADAPTED_TEXT / "config.json").is_file() else DEFAULT_TEXT)
+
+
 def test_random_puzzle_by_difficulty(client):
     from dgemma.data.sudoku import count_solutions
 
@@ -223,7 +236,10 @@ def test_solve_streams_every_step_then_the_board(client):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         evs = events(r.iter_lines())
     kinds = [e for e, _ in evs]
-    assert kinds == ["start"] + ["step"] * 81 + ["done"]
+    # a canvas ends at the step that commits its last cell, the 81st at the latest (the sampler's
+    # settled rows): with the clues pinned the commit schedule may get there a step or two early
+    n = kinds.count("step")
+    assert 60 < n <= 81 and kinds == ["start"] + ["step"] * n + ["done"]
     start, steps, done = evs[0][1], [d for e, d in evs if e == "step"], evs[-1][1]
     assert start["puzzle"] == PUZZLE and start["seed"] == 1 and start["num_steps"] == 81
     clues = {i for i, ch in enumerate(PUZZLE) if ch != "0"}
@@ -233,15 +249,15 @@ def test_solve_streams_every_step_then_the_board(client):
         assert len(d["cells"]) == 81
         assert all(d["cells"][i] == [PUZZLE[i], "clue"] for i in clues)  # the board always keeps the clues
         assert d["settled"] == sum(k == "committed" for _, k in d["cells"])
-    assert [d["step"] for d in steps] == list(range(1, 82)) and steps[-1]["forwards"] == 82
+    assert [d["step"] for d in steps] == list(range(1, n + 1)) and steps[-1]["forwards"] == n + 1
     assert len({json.dumps(d["cells"]) for d in steps}) > 2  # the board changes as it fills in
     assert {k for _, k in done["cells"]} <= {"clue", "committed", "empty"}
     s = done["stats"]
-    assert s["forward_passes"] == 82 and s["steps_used"] == [81]
-    assert s["tokens_per_forward"] == pytest.approx(81 / 82, abs=1e-3)
+    assert s["forward_passes"] == n + 1 and s["steps_used"] == [n]
+    assert s["tokens_per_forward"] == pytest.approx(81 / (n + 1), abs=1e-3)
     assert isinstance(done["solved"], bool) and done["verdict"]
     status = client.get("/api/status").json()
-    assert status["done"] == 1 and status["jobs"][0]["steps"] == 81
+    assert status["done"] == 1 and status["jobs"][0]["steps"] == n
 
 
 def test_pinned_clues_stay_in_the_models_answer(client):
@@ -350,14 +366,15 @@ def test_slow_request_does_not_block_others(tiny_run, live_server):
         assert took < 20, f"other requests took {took:.1f} s while a slow one ran"
 
 
-def test_full_server_refuses_with_503(tiny_run, live_server):
+def test_full_server_refuses_with_429_and_retry_after(tiny_run, live_server):
     server = live_server(create_app(sudoku=tiny_run, text=None, limits=Limits(max_jobs=1)))
     with httpx.Client(base_url=server.url, timeout=30) as slow, httpx.Client(base_url=server.url, timeout=30) as http:
         with slow.stream("POST", "/api/sudoku/solve", json=SLOW) as r:
             lines = r.iter_lines()  # kept: a dropped iterator may close the connection, and cancel the job
             _read_until(lines, "step")
             busy = http.post("/api/sudoku/solve", json={"puzzle": PUZZLE, "num_steps": 3})
-            assert busy.status_code == 503 and "1 sampling requests are running (the limit)" in busy.json()["error"]
+            assert busy.status_code == 429 and "1 sampling requests are running (the limit)" in busy.json()["error"]
+            assert 1 <= int(busy.headers["Retry-After"]) <= 30
         _wait_for(lambda: http.get("/api/status").json()["running"] == 0)
         again = http.post("/api/sudoku/solve", json={"puzzle": PUZZLE, "num_steps": 3})
         assert again.status_code == 200  # the cancelled job gave its slot back

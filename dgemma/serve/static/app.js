@@ -89,6 +89,8 @@ function describeModel(prefix, m) {
   const what = m.kind === "run" ? "training run" : "pretrained";
   el.textContent = `model: ${m.source} (${what}, ${m.process} noise, canvas ${m.canvas_size})` +
     (m.loaded ? "" : " — loads on first use");
+  el.classList.toggle("untrained", Boolean(m.warning));
+  if (m.warning) el.textContent += ` — warning: ${m.warning}`;
 }
 
 function markLoaded(prefix, key) {  // a stream started: its model is loaded
