@@ -29,6 +29,7 @@ class SamplerConfig:
     early_stopping: str | None = None  # none | entropy | stable_confident
     entropy_threshold: float | None = None  # for early_stopping="entropy"
     max_canvases: int | None = None
+    min_stop_prob: float | None = None  # a stop token only where its probability reaches this (0 = argmax)
     step_args: dict = field(default_factory=dict)  # extra step arguments, e.g. {"threshold": 0.9}
     stop_args: dict = field(default_factory=dict)  # extra stopping arguments
 
@@ -66,6 +67,7 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
     stop = build_stopping(rule, **{**stop_kw, **cfg.stop_args})
     return CanvasSampler(noise=noise, step=step, num_steps=cfg.num_steps, canvas_size=canvas_size,
                          max_canvases=cfg.max_canvases, stop=stop, stop_ids=stop_ids,
+                         min_stop_prob=cfg.min_stop_prob or 0.0,
                          temperature=cfg.temperature if cfg.temperature > 0 else 1.0)  # greedy: selfcond reads T=1
 
 
@@ -139,7 +141,7 @@ def load_model(source: str | Path, *, pretrained: bool = False, dtype: str = "au
         e = run.cfg.eval_ds
         defaults = SamplerConfig(num_steps=e.steps[0], step_type=e.step_type, temperature=e.temperature,
                                  early_stopping=e.early_stopping or "none", entropy_threshold=e.entropy_threshold,
-                                 max_canvases=max_canvases(run.cfg))
+                                 max_canvases=max_canvases(run.cfg), min_stop_prob=e.min_stop_prob)
         return Model(run.model, run.tokenizer, run.noise(), run.cfg.diffusion.canvas_size, run.cfg.data.prompt_len,
                      defaults, trained=True, source=str(source))
     from dgemma.diffusion.corruption import UniformNoise

@@ -86,6 +86,7 @@ class CanvasSampler:
     use_cache: bool = True
     skip_committed: bool = True  # LM head and self-conditioning on uncommitted positions only (commit steps)
     fill_after_stop: bool = True  # commit steps: EOS-fill the canvas after its first committed stop token
+    min_stop_prob: float = 0.0  # a stop token is predicted only where its probability reaches this
     record: bool = False
     # Optional per-step callback, called after every denoising step with keyword arguments
     # canvas, step, t, rows (original row indices of the rows in this step), tokens, committed,
@@ -153,6 +154,8 @@ class CanvasSampler:
                 # committed positions can no longer change: the LM head runs on the open ones only
                 open_ = ~state.committed if self.skip_committed and getattr(self.step, "commits", False) else None
                 logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
+                if self.min_stop_prob > 0 and self.stop_ids:
+                    logits = gate_stop_tokens(logits, self.stop_ids, self.min_stop_prob)
                 for r in active[running].tolist():
                     fwd[r] += 1
                 is_last = i == self.num_steps - 1
@@ -220,6 +223,25 @@ class CanvasSampler:
                 prefix_ids = torch.cat([prefix_ids[keep], canvas], 1)
                 prefix_info = prefix_info[keep].cat(clean)
         return SampleResult(out, fwd, steps_used, time.perf_counter() - t0, traj)
+
+
+def gate_stop_tokens(logits: Tensor, stop_ids: tuple[int, ...], min_prob: float) -> Tensor:
+    """Forbid the stop tokens at positions where together they have less than ``min_prob``.
+
+    A committed stop token ends the answer, so being the argmax is not enough: an unsure model
+    spreads its mass over many words, and the one stop token then wins with a fraction of it
+    (LLaDA's excess of EOS). Where the stop tokens hold less than ``min_prob`` of the mass the
+    position predicts its best other token. Example, ``min_prob=0.5``: P = (stop 0.3, "the" 0.2,
+    ...) predicts "the"; P = (stop 0.8, ...) predicts stop.
+    """
+    ids = torch.tensor(stop_ids, device=logits.device)
+    z = logits.float()
+    p_stop = (z[..., ids] - z.logsumexp(-1, keepdim=True)).exp().sum(-1)  # [B, C]
+    low = p_stop < min_prob
+    if bool(low.any()):
+        logits = logits.clone()
+        logits[..., ids] = logits[..., ids].masked_fill(low[..., None], float("-inf"))
+    return logits
 
 
 def fill_after_stop(state: CanvasState, stop_ids: tuple[int, ...]) -> CanvasState:

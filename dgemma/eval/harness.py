@@ -114,6 +114,7 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
     sampler = build(SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature,
                                   early_stopping=early_stopping or "none",
                                   entropy_threshold=cfg.eval_ds.entropy_threshold, max_canvases=max_canvases(cfg),
+                                  min_stop_prob=cfg.eval_ds.min_stop_prob,
                                   step_args=_knobs(cfg, "step."),
                                   stop_args=_knobs(cfg, "stop.") if early_stopping else {}),
                     noise=noise, canvas_size=cfg.diffusion.canvas_size, stop_ids=task.stop_ids(run.tokenizer))
@@ -123,6 +124,7 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
         "temperature": temperature, "early_stopping": early_stopping, "stopping": {"rule": rule, **_params(stop)},
         "canvas_size": sampler.canvas_size, "max_canvases": sampler.max_canvases, "stop_ids": list(sampler.stop_ids),
         "noise": cfg.diffusion.process, "schedule": cfg.diffusion.schedule, "pin_clues": cfg.data.pin_clues,
+        "min_stop_prob": sampler.min_stop_prob,
     }
     return sampler, settings
 

@@ -162,6 +162,7 @@ class EvalConfig:
     early_stopping: Literal["entropy", "stable_confident"] | None = "entropy"  # None: run every step
     entropy_threshold: float = 0.05
     max_canvases: int | None = None  # None: the data's num_canvases
+    min_stop_prob: float = 0.0  # sampler: a stop token only where its probability reaches this (0 = argmax)
     num_examples: int = 256
     split: str | None = None  # the evaluators' split (None: the task's default, e.g. test)
     seed: int = 0
@@ -171,6 +172,7 @@ class EvalConfig:
 
     def __post_init__(self):
         _positive(self, "batch_size", "max_canvases", "num_examples")
+        _fraction(self, "min_stop_prob")
         if any(n < 1 for n in self.steps):
             raise ValueError(f"steps must all be >= 1, got {self.steps}")
 

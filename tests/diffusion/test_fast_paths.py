@@ -244,3 +244,14 @@ def test_commit_blocks_literal_example_and_left_to_right_order():
     assert blocked.committed.tolist() == [[False, False, True, True] + [False] * 4]
     with pytest.raises(DGemmaError, match="commit block must be >= 1"):
         CommitStep(noise, block=0)
+
+
+def test_gate_stop_tokens_literal_example():
+    from dgemma.diffusion.sampler import gate_stop_tokens
+
+    probs = torch.tensor([[[0.30, 0.28, 0.22, 0.20], [0.80, 0.10, 0.05, 0.05]]])  # token 0 is the stop token
+    assert probs.log().argmax(-1).tolist() == [[0, 0]]
+    out = gate_stop_tokens(probs.log(), (0,), 0.5)
+    assert out.argmax(-1).tolist() == [[1, 0]]  # 0.3 < 0.5: the best other token; 0.8: the stop stays
+    assert torch.isinf(out[0, 0, 0]) and torch.equal(out[0, 1], probs.log()[0, 1])
+    assert torch.equal(gate_stop_tokens(probs.log(), (0,), 0.2), probs.log())  # every stop above the bar
