@@ -37,6 +37,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="inference dtype (auto: a run's training precision; bf16 where the CPU/GPU has native units)")
     p.add_argument("--max-jobs", type=int, default=4, help="sampling requests running at once (default 4)")
     p.add_argument("--max-steps", type=int, default=512, help="denoising steps a request may ask for")
     p.add_argument("--max-canvases", type=int, default=16, help="text canvases a request may ask for")
@@ -126,7 +128,7 @@ def run(argv: list[str]) -> int:
               file=sys.stderr)
     limits = Limits(max_steps=args.max_steps, max_canvases=args.max_canvases, max_prompt_tokens=args.max_prompt_tokens,
                     max_jobs=args.max_jobs)
-    app = create_app(sudoku=sudoku, text=text, device=args.device, limits=limits)
+    app = create_app(sudoku=sudoku, text=text, device=args.device, limits=limits, dtype=args.dtype)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     if not _is_loopback(args.host):

@@ -209,8 +209,8 @@ class ModelSlot:
     """
 
     def __init__(self, role: str, source: str | Path | None, *, limits: Limits, device: str | None = None,
-                 engine: Engine | None = None, hint: str = ""):
-        self.role, self.limits, self.device, self.hint = role, limits, device, hint
+                 engine: Engine | None = None, hint: str = "", dtype: str = "auto"):
+        self.role, self.limits, self.device, self.hint, self.dtype = role, limits, device, hint, dtype
         self.source = None if source is None else str(source)
         self._engine = engine
         self._info: ModelInfo | None = engine.info if engine else None
@@ -270,7 +270,7 @@ class ModelSlot:
         if info.kind == "run":
             from dgemma.training.runs import load_run
 
-            run = load_run(info.source, device=self.device)
+            run = load_run(info.source, device=self.device, dtype=self.dtype)
             return Engine(info, run.model, run.tokenizer, run.noise())
         from dgemma.diffusion.corruption import UniformNoise
         from dgemma.diffusion.schedules import get_schedule
@@ -279,8 +279,10 @@ class ModelSlot:
         model, tokenizer = load_pretrained(info.source)
         if tokenizer is None:
             raise DGemmaError(f"{info.source} has no tokenizer.json: the text panel needs one")
+        from dgemma.device import resolve_dtype
+
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = model.to(device).eval()
+        model = model.to(device=device, dtype=resolve_dtype(self.dtype, device)).eval()
         info.max_positions = model.config.max_position_embeddings
         return Engine(info, model, tokenizer, UniformNoise(model.config.vocab_size, get_schedule("linear")))
 
@@ -816,8 +818,8 @@ def text_work(engine: Engine, plan: Plan, job: Job, prompt: str) -> Callable:
 # ----------------------------------------------------------------------------------- the app
 def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small",
                text: str | Path | Engine | None = PRETRAINED, device: str | None = None,
-               limits: Limits | None = None) -> FastAPI:
-    """The playground app.
+               limits: Limits | None = None, dtype: str = "auto") -> FastAPI:
+    """The playground app (``dtype``: the models' inference dtype, see ``dgemma/device.py:resolve_dtype``).
 
     ``sudoku`` and ``text`` are each a training workdir, ``"gemma3-270m"`` (text), a Hugging
     Face Gemma 3 folder or ``.gguf`` (text), a ready :class:`Engine`, or None for no model.
@@ -834,7 +836,7 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
     app = FastAPI(title="dgemma playground", docs_url=None, redoc_url=None, lifespan=lifespan)
     slot = lambda role, src, hint="": ModelSlot(  # noqa: E731
         role, None if isinstance(src, Engine) else src, limits=limits, device=device,
-        engine=src if isinstance(src, Engine) else None, hint=hint)
+        engine=src if isinstance(src, Engine) else None, hint=hint, dtype=dtype)
     app.state.limits = limits
     app.state.models = {"sudoku": slot("sudoku", sudoku, SUDOKU_HINT), "text": slot("text", text)}
     app.state.jobs = Jobs(limits.max_jobs)
