@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Bitwise reproducibility depends on the thread count (SPEC §8): pin it. One thread: the tiny
+# Bitwise reproducibility depends on the thread count (docs/design.md §8): pin it. One thread: the tiny
 # test models gain nothing from two, and two threads per process oversubscribe a 2-core machine.
 torch.set_num_threads(int(os.environ.get("DGEMMA_TEST_THREADS", "1")))
 

@@ -2,8 +2,11 @@
 
 The default checkpoint is the one shipped in ``checkpoints/sudoku_small`` (trained by
 ``configs/sudoku_small.py``); ``--checkpoint DIR`` takes any Sudoku workdir. Input is validated
-first (length, characters, contradictory clues) and each answer says whether it is a valid
-completed grid that keeps every clue.
+first (length, characters, contradictory clues). By default every board is verified against the
+rules and clues and, where it breaks one, re-noised and re-sampled up to ``--rounds`` times
+(``dgemma/eval/sudoku_verify.py``): a board is printed only once it is checked valid, and a
+puzzle still broken after the last round is reported unsolved, never shown as an answer.
+``--no-verify`` prints the model's single answer with its verdict, valid or not.
 """
 
 from __future__ import annotations
@@ -84,6 +87,54 @@ def solve(puzzles: list[str], run, *, steps: int, step_type: str, seed: int, bat
     return out
 
 
+def _verdict(r) -> str:
+    return "valid solution, keeps every clue" if r["valid"] else (
+        "NOT a valid solution" + ("" if r["keeps_clues"] else " (changes a clue)"))
+
+
+def _model_only(results: list[dict]) -> int:
+    """Today's output: each answer and its verdict, valid or not (``--no-verify``)."""
+    n_ok = 0
+    for i, r in enumerate(results, 1):
+        if len(results) > 1:
+            print(f"puzzle {i}")
+        print(board(r["grid"]) if len(r["grid"]) == 81 else f"(no 81-digit answer: {r['grid']!r})")
+        print(_verdict(r))
+        n_ok += r["valid"]
+    if len(results) > 1:
+        print(f"{n_ok}/{len(results)} valid")
+    return 0 if n_ok == len(results) else 1
+
+
+def _rounds(n: int) -> str:
+    return f"{n} round" + "s" * (n != 1)
+
+
+def _verified(solves, rounds: int) -> int:
+    """Each verified board (only checked-valid ones are drawn), then model-only and verified
+    figures on separate lines: one mixed number would hide what the re-noising bought."""
+    from dgemma.eval.sudoku_verify import summarize
+
+    for i, s in enumerate(solves, 1):
+        if len(solves) > 1:
+            print(f"puzzle {i}")
+        if s.valid:
+            print(board(s.grid))
+            how = "the model's first board" if s.rounds == 0 else f"after {_rounds(s.rounds)} of re-noising"
+            print(f"valid solution, keeps every clue (verified; {how})")
+        else:
+            print(f"NOT solved: still breaks the rules after {_rounds(s.rounds)} of re-noising ({s.error}); "
+                  "no board is shown")
+        print(f"model-only: {'valid' if s.model_valid else 'NOT valid'}, {s.model_passes} forward passes | "
+              f"verified: {'valid' if s.valid else 'not solved'}, {_rounds(s.rounds)}, {s.passes} forward passes")
+    if len(solves) > 1:
+        m, v = (summarize(solves)[k] for k in ("model_only", "verified"))
+        print(f"model-only: {m['valid']}/{m['count']} valid, {m['mean_passes']:.1f} forward passes per puzzle")
+        print(f"verified (up to {_rounds(rounds)}): {v['valid']}/{v['count']} valid, {v['unsolved']} not solved, "
+              f"{v['mean_rounds']:.2f} rounds and {v['mean_passes']:.1f} forward passes per puzzle")
+    return 0 if all(s.valid for s in solves) else 1
+
+
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dgemma solve", description=__doc__.splitlines()[0])
     parser.add_argument("puzzle", nargs="?", help="81 cells: digits, 0 or . for a blank (spaces ignored)")
@@ -93,7 +144,14 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=81, help="denoising steps")
     parser.add_argument("--step-type", default="commit", help="ddim | commit | confidence | entropy_bound")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="re-noising rounds for a board that breaks a rule (default: %d)" % _default_rounds())
+    parser.add_argument("--no-verify", action="store_true", help="print the model's single answer, valid or not")
     args = parser.parse_args(argv)
+    if args.rounds is not None and args.no_verify:
+        raise DGemmaError("--rounds and --no-verify exclude each other (--rounds=0 verifies without re-noising)")
+    if args.rounds is not None and args.rounds < 0:
+        raise DGemmaError(f"--rounds must be >= 0, got {args.rounds}")
     puzzles = read_puzzles(args)
 
     from dgemma.training.runs import load_run
@@ -101,16 +159,16 @@ def run(argv: list[str]) -> int:
     if not Path(args.checkpoint).is_dir():
         raise DGemmaError(f"checkpoint not found: {args.checkpoint} (train one with configs/sudoku_small.py)")
     run_ = load_run(args.checkpoint, step=args.step, device="cpu")
-    results = solve(puzzles, run_, steps=args.steps, step_type=args.step_type, seed=args.seed)
-    n_ok = 0
-    for i, r in enumerate(results, 1):
-        if len(results) > 1:
-            print(f"puzzle {i}")
-        print(board(r["grid"]) if len(r["grid"]) == 81 else f"(no 81-digit answer: {r['grid']!r})")
-        verdict = "valid solution, keeps every clue" if r["valid"] else (
-            "NOT a valid solution" + ("" if r["keeps_clues"] else " (changes a clue)"))
-        print(verdict)
-        n_ok += r["valid"]
-    if len(results) > 1:
-        print(f"{n_ok}/{len(results)} valid")
-    return 0 if n_ok == len(results) else 1
+    if args.no_verify:
+        return _model_only(solve(puzzles, run_, steps=args.steps, step_type=args.step_type, seed=args.seed))
+    from dgemma.eval.sudoku_verify import solve_run
+
+    rounds = _default_rounds() if args.rounds is None else args.rounds
+    solves = solve_run(run_, puzzles, rounds=rounds, num_steps=args.steps, step_type=args.step_type, seed=args.seed)
+    return _verified(solves, rounds)
+
+
+def _default_rounds() -> int:
+    from dgemma.eval.sudoku_verify import DEFAULT_ROUNDS
+
+    return DEFAULT_ROUNDS

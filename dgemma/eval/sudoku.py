@@ -1,4 +1,4 @@
-"""Sudoku metrics from decoded text (SPEC §5), overall and per difficulty bucket."""
+"""Sudoku metrics from decoded text (docs/design.md §5), overall and per difficulty bucket."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 def aggregate_sudoku(scores: list[dict]) -> dict:
-    """Average per-example scores into the SPEC §5 keys; an empty bucket reports 0.0, count 0.
+    """Average per-example scores into the docs/design.md §5 keys; an empty bucket reports 0.0, count 0.
 
     0.0 (not NaN or a missing key) keeps every key present and every value a float for
     TensorBoard and JSONL; ``count_<bucket>`` = 0 says the zero is no measurement.
@@ -81,7 +81,7 @@ def aggregate_sudoku(scores: list[dict]) -> dict:
 
 
 def sudoku_metrics(texts, puzzles, solutions) -> dict:
-    """Sudoku metrics over a batch: the six SPEC §5 metrics, again per bucket, and counts.
+    """Sudoku metrics over a batch: the six docs/design.md §5 metrics, again per bucket, and counts.
 
     Keys: ``accuracy``, ``cell_accuracy``, ``blank_accuracy``, ``exact_mask_accuracy``,
     ``partial_mask_accuracy``, ``valid_accuracy``, each also with ``_easy``/``_medium``/``_hard``,

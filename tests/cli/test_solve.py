@@ -1,5 +1,7 @@
 """dgemma solve with the shipped checkpoint: validation, boards, verdicts, unseen puzzles."""
 
+import re
+
 import pytest
 
 from dgemma.cli.main import main
@@ -50,3 +52,86 @@ def test_board_layout():
     grid = "".join(str((i % 9) + 1) for i in range(81))
     lines = board(grid).splitlines()
     assert lines[1] == "| 1 2 3 | 4 5 6 | 7 8 9 |" and len(lines) == 13
+
+
+# ------------------------------------------------------------------------------ verified solving
+EASY = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
+HARD = "800000000003600000070090200050007000000045700000100030001000068008500010090000400"  # 21 clues
+EASY_OUT = """\
++-------+-------+-------+
+| 5 3 4 | 6 7 8 | 9 1 2 |
+| 6 7 2 | 1 9 5 | 3 4 8 |
+| 1 9 8 | 3 4 2 | 5 6 7 |
++-------+-------+-------+
+| 8 5 9 | 7 6 1 | 4 2 3 |
+| 4 2 6 | 8 5 3 | 7 9 1 |
+| 7 1 3 | 9 2 4 | 8 5 6 |
++-------+-------+-------+
+| 9 6 1 | 5 3 7 | 2 8 4 |
+| 2 8 7 | 4 1 9 | 6 3 5 |
+| 3 4 5 | 2 8 6 | 1 7 9 |
++-------+-------+-------+
+"""
+
+
+def _printed_grid(out: str) -> str:
+    return "".join(ch for line in out.splitlines() if line.startswith("| ") for ch in line if ch.isdigit())
+
+
+def test_no_verify_prints_what_solve_printed_before(capsys):
+    assert main(["solve", EASY, "--no-verify"]) == 0
+    assert capsys.readouterr().out == EASY_OUT + "valid solution, keeps every clue\n"  # before verified mode
+
+
+def test_a_valid_first_board_takes_no_extra_round(capsys):
+    assert main(["solve", EASY]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(EASY_OUT) and "verified; the model's first board" in out
+    assert re.search(r"model-only: valid, (\d+) forward passes \| verified: valid, 0 rounds, \1 forward passes", out)
+
+
+def test_the_famous_hard_puzzle_is_solved_or_honestly_not(capsys):
+    from dgemma.eval.sudoku_verify import is_solution
+
+    code = main(["solve", HARD, "--rounds", "4"])
+    out = capsys.readouterr().out
+    model_line = next(line for line in out.splitlines() if line.startswith("model-only:"))
+    if code == 0:
+        assert "valid solution, keeps every clue (verified" in out and is_solution(_printed_grid(out), HARD)
+    else:
+        assert code == 1 and "NOT solved: still breaks the rules after 4 rounds of re-noising" in out
+        assert "+-------" not in out  # a broken board is never printed as an answer
+        assert "verified: not solved, 4 rounds" in model_line
+    # the model-only answer is reported apart, and is what --no-verify prints
+    assert main(["solve", HARD, "--no-verify"]) == (0 if "model-only: valid" in model_line else 1)
+    nv = capsys.readouterr().out
+    run = load_shipped()
+    assert _printed_grid(nv) == solve([HARD], run, steps=81, step_type="commit", seed=0)[0]["grid"]
+
+
+def test_verified_report_keeps_model_only_and_verified_apart(tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text(f"{EASY}\n{HARD}\n")
+    first = main(["solve", "--file", str(f), "--rounds", "1", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert main(["solve", "--file", str(f), "--rounds", "1", "--seed", "3"]) == first
+    assert capsys.readouterr().out == out  # same seed, same output
+    lines = out.splitlines()
+    assert lines[-2].startswith("model-only: ") and "/2 valid" in lines[-2]
+    assert lines[-1].startswith("verified (up to 1 round): ") and "/2 valid" in lines[-1]
+    assert sum(line.startswith("model-only: ") for line in lines) == 3  # per puzzle and in all
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rounds", "2", "--no-verify"], "exclude each other"),
+    (["--rounds", "-1"], "--rounds must be >= 0"),
+])
+def test_bad_verify_flags(args, message, capsys):
+    assert main(["solve", EASY, *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def load_shipped():
+    from dgemma.training.runs import load_run
+
+    return load_run(SHIPPED, device="cpu")

@@ -1,0 +1,462 @@
+"""Verified Sudoku solving: the model answers, the rules check, the cells that broke them are re-noised.
+
+Round 0 is one plain sampler run: the model-only answer (``dgemma solve --no-verify``, the
+``sample_ar_steps{N}`` evaluators). A board that breaks a rule (a digit twice in a row, column or
+box, or a cell without a digit) goes through up to ``rounds`` more sampler runs, each with the
+clues and the cells it still trusts pinned as hints and the rest re-noised. Every digit comes
+from the model; the rules only decide which cells are pinned. A board is reported valid only
+after :func:`is_solution` checked it, so verified mode never passes off a wrong board: a puzzle
+still broken after ``rounds`` rounds is reported unsolved.
+
+Which cells a round re-noises. Measured on 60 generated hard puzzles (seed 2024, not the eval
+set) with ``checkpoints/sudoku_small``: a wrong board is not a few bad cells but a wrong branch,
+13-37 of ~55 blanks wrong, most of them committed with probability ~1.0 because an earlier wrong
+commit forced them, and only 2-10 cells in duplicates. So neither the duplicates nor the least
+confident cells locate the error (re-noising both, greedily, solved 3 of 25 failures in 16
+rounds). The commit order does: the first wrong commit is no later than ``bound``, the earliest
+time by which some duplicate had both of its cells committed. Rounds 1-4 branch, later rounds
+resample:
+
+- *branch*: the pivot is the least confident commit up to ``bound``; every cell
+  committed before it (duplicates excepted) stays pinned, the pivot is pinned to the model's own
+  runner-up digit there (its second choice at commit time), the rest is re-noised and decoded
+  greedily. Re-noising the pivot alone would be pointless: from the same pinned prefix a greedy
+  sampler makes the same choice again. A pivot once branched is not picked again while it stays
+  pinned, so the search moves on.
+- *resample*: every blank is re-noised and decoded at temperature 1 (the seeded generator): an
+  independent sample, for wrong branches that start at a confident commit, where branching at
+  the least confident cells keeps missing.
+
+Solved of those 60 (35 model-only) after 1/2/4/8/16 rounds: branch alone 40/41/43/45/46,
+resample alone 37/39/40/44/49, branch then resample 40/41/43/48/50 with the fewest passes. The
+table for the eval's held-out hard puzzles and the chosen default are in
+``checkpoints/sudoku_small/README.md`` ("Verified solving").
+
+Cost: a round runs one denoising step per re-noised cell, rounded up to a multiple of 8 and
+capped at the sampler's ``num_steps`` (one cell per step or fewer, as round 0 at 81 steps);
+rows that round alike share one sampler call. A branch round's steps depend on the row alone;
+the resample rounds draw from the one seeded generator, so, as with any sampling at T > 0, their
+draws depend on the batch (same puzzles, batch size and seed: same answers). Passes are the
+sampler's forward passes (a prefill plus one per step), summed over rounds.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+
+from dgemma.data.sudoku import _UNITS, SYSTEM_PROMPT, format_prompt, grid_error, parse_puzzle
+from dgemma.errors import DGemmaError
+
+DEFAULT_ROUNDS = 8
+"""Default ``--rounds`` (measured: checkpoints/sudoku_small/README.md, "Verified solving")."""
+RESAMPLE_TEMPERATURE = 1.0
+STEP_QUANTUM = 8  # a round's steps: re-noised cells rounded up to a multiple of this
+
+
+@dataclass
+class VerifiedSolve:
+    """One puzzle's answer. ``grid``/``valid`` are the verified figures, ``model_*`` round 0's alone.
+
+    ``grid`` is 81 characters with ``0`` where the canvas held no digit; ``valid`` is True only
+    for a completed valid grid that keeps every clue. ``rounds`` counts the re-noising rounds
+    run (0 when the first board was valid), ``passes`` the forward passes of all rounds, round 0
+    included. ``seconds`` are this row's share of its sampler calls (a call's time split evenly
+    over its rows). ``renoised`` is the number of cells each round re-noised, ``round_passes``
+    the passes of each round, round 0 first.
+    """
+
+    puzzle: str
+    grid: str
+    valid: bool
+    rounds: int
+    passes: int
+    seconds: float
+    model_grid: str
+    model_valid: bool
+    model_passes: int
+    model_seconds: float
+    model_text: str = ""  # round 0's decoded canvas, as the plain evaluators score it
+    renoised: list[int] = field(default_factory=list)
+    round_passes: list[int] = field(default_factory=list)  # round 0 first
+
+    @property
+    def error(self) -> str | None:
+        """Why ``grid`` is not a solution of ``puzzle``, or None."""
+        return solution_error(self.grid, self.puzzle)
+
+
+def solution_error(grid: str, puzzle: str) -> str | None:
+    """Why ``grid`` is not a completed valid grid keeping every clue of ``puzzle``, or None."""
+    err = grid_error(grid)
+    if err:
+        return err
+    for i, (p, g) in enumerate(zip(puzzle, grid)):
+        if p != "0" and p != g:
+            return f"clue {p} at row {i // 9 + 1}, column {i % 9 + 1} became {g}"
+    return None
+
+
+def is_solution(grid: str, puzzle: str) -> bool:
+    """True for a completed valid grid (every row, column and box 1-9 once) that keeps the clues."""
+    return solution_error(grid, puzzle) is None
+
+
+def duplicate_groups(grid: str) -> list[list[int]]:
+    """Cells of every digit repeated inside a unit (one list per unit and digit), then every
+    cell without a digit 1-9 alone: the cells a broken board is broken at."""
+    groups = []
+    for _, _, cells in _UNITS:
+        seen: dict[str, list[int]] = {}
+        for i in cells:
+            if grid[i] in "123456789":
+                seen.setdefault(grid[i], []).append(i)
+        groups += [g for g in seen.values() if len(g) > 1]
+    return groups + [[i] for i, ch in enumerate(grid) if ch not in "123456789"]
+
+
+def offending_cells(grid: str, puzzle: str) -> set[int]:
+    """Non-clue cells of ``grid`` that take part in a broken rule (see :func:`duplicate_groups`)."""
+    return {i for g in duplicate_groups(grid) for i in g if puzzle[i] == "0"}
+
+
+# ------------------------------------------------------------------------------------ recording
+class _Log:
+    """Per row and cell: token, commit time (rank), the model's probability of the committed
+    digit, its runner-up digit and that one's probability, and whether a branch pinned it."""
+
+    def __init__(self, n: int):
+        self.tokens = torch.full((n, 81), -1, dtype=torch.long)
+        self.rank = torch.zeros(n, 81, dtype=torch.float64)
+        self.conf = torch.zeros(n, 81)
+        self.alt = torch.full((n, 81), -1, dtype=torch.long)
+        self.altp = torch.zeros(n, 81)
+        self.forced = torch.zeros(n, 81, dtype=torch.bool)
+
+
+class _Tap:
+    """A sampler step wrapped to report, after each call, the cells it committed and the model's
+    top-two digits there (the step's own attributes pass through, so the sampler treats it as the
+    step). A step that commits nothing (ddim, entropy_bound) reports every open cell at its last
+    step. The sampler's ``on_step`` hook reads the report: it knows which rows ran."""
+
+    def __init__(self, step, digit_ids: torch.Tensor):
+        self.inner, self.digit_ids, self.last = step, digit_ids, None
+
+    def __getattr__(self, name):
+        if name in ("inner", "digit_ids", "last"):  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __call__(self, state, logits, t, s, *, generator, is_last):
+        out = self.inner(state, logits, t, s, generator=generator, is_last=is_last)
+        new = out.committed & ~state.committed
+        if is_last:
+            new = new | ~state.committed
+        self.last = None
+        if bool(new.any()):
+            probs = torch.softmax(logits.float(), -1)  # the model's own probabilities, untempered
+            chosen = probs.gather(-1, out.tokens.unsqueeze(-1)).squeeze(-1)
+            digits = probs[..., self.digit_ids].masked_fill(self.digit_ids == out.tokens.unsqueeze(-1), -1.0)
+            altp, k = digits.max(-1)
+            self.last = (new, chosen, self.digit_ids[k], altp)
+        return out
+
+
+def _digit_ids(tokenizer) -> torch.Tensor:
+    ids = tokenizer.encode("123456789")
+    if len(ids) != 9:
+        raise DGemmaError("verified Sudoku solving pins cells, so it needs one token per cell "
+                          f"(data.tokenizer='digits'); this tokenizer maps the digits 1-9 to {len(ids)} tokens")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _grid(tokens: torch.Tensor, digit_ids: torch.Tensor) -> str:
+    lut = {int(t): str(d + 1) for d, t in enumerate(digit_ids)}
+    return "".join(lut.get(int(t), "0") for t in tokens)
+
+
+def _sample(model, sampler, digit_ids, prompt, hints, generator, log: _Log, rows: list[int], base: torch.Tensor,
+            num_steps: int):
+    """One sampler call on ``rows``; writes their tokens and commit records into ``log``."""
+    ids, valid = prompt
+    dev = ids.device
+    tap = _Tap(sampler.step, digit_ids.to(dev))
+    outer = sampler.on_step
+    index = torch.tensor(rows, dtype=torch.long)
+
+    def on_step(**kw):
+        if outer is not None:
+            outer(**kw)
+        if tap.last is None:
+            return
+        new, chosen, alt, altp = (x.cpu() for x in tap.last)
+        r = index[torch.tensor(kw["rows"], dtype=torch.long)]
+        log.conf[r] = torch.where(new, chosen, log.conf[r])
+        log.alt[r] = torch.where(new, alt, log.alt[r])
+        log.altp[r] = torch.where(new, altp, log.altp[r])
+        log.rank[r] = torch.where(new, base[r, None] + kw["step"], log.rank[r])
+        log.forced[r] &= ~new  # re-decided by the model: no longer a branch's pin
+
+    res = dataclasses.replace(sampler, step=tap, on_step=on_step, num_steps=num_steps)(
+        model, ids, valid, generator=generator, hints=hints)
+    for j, toks in enumerate(res.tokens):
+        t = torch.tensor((list(toks) + [-1] * 81)[:81], dtype=torch.long)
+        if hints is not None:  # a canvas cut at a stop token still keeps its pins
+            h = hints[j, :81].cpu()
+            t = torch.where(h >= 0, h, t)
+        log.tokens[rows[j]] = t
+    return res
+
+
+# ------------------------------------------------------------------------------------ planning
+class Plan(NamedTuple):
+    pins: list[int]  # token per cell, -1 = re-noised
+    base: float  # commit rank the re-run's first step gets
+    pivot: int | None  # the cell a branch pinned to its runner-up digit
+    rule: str  # "branch" | "resample"
+
+
+BRANCH_ROUNDS = 4  # rounds 1..4 branch, later ones resample
+
+
+def _rule(k: int) -> str:
+    return "branch" if k <= BRANCH_ROUNDS else "resample"
+
+
+def plan_round(rule: str, puzzle: str, grid: str, log: _Log, row: int) -> Plan:
+    """The pins of one broken board's next round (the module docstring says why these)."""
+    clue = [ch != "0" for ch in puzzle]
+    tokens, rank, conf = log.tokens[row], log.rank[row], log.conf[row]
+    free = [i for i in range(81) if not clue[i]]
+    if rule == "resample":
+        return Plan([int(tokens[i]) if clue[i] else -1 for i in range(81)], 0.0, None, rule)
+    groups = duplicate_groups(grid)
+    bound = math.inf  # the first wrong commit happened no later than this
+    for g in groups:
+        ranks = [float(rank[i]) for i in g if not clue[i]]
+        if ranks:
+            bound = min(bound, max(ranks))
+    upto = [i for i in free if float(rank[i]) <= bound]
+    cands = [i for i in upto if not log.forced[row, i]] or upto or free
+    pivot = min(cands, key=lambda i: (float(conf[i]), float(rank[i])))
+    bad = {i for g in groups for i in g}
+    pins = [int(tokens[i]) if clue[i] or (float(rank[i]) < float(rank[pivot]) and i not in bad) else -1
+            for i in range(81)]
+    if int(log.alt[row, pivot]) >= 0:
+        pins[pivot] = int(log.alt[row, pivot])
+    else:
+        pivot = None
+    return Plan(pins, float(rank[pivot]) + 1 if pivot is not None else 0.0, pivot, rule)
+
+
+def _steps(free: int, num_steps: int) -> int:
+    return max(1, min(num_steps, STEP_QUANTUM * math.ceil(free / STEP_QUANTUM)))
+
+
+# ------------------------------------------------------------------------------------ solving
+def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, rounds: int = DEFAULT_ROUNDS,
+                   prompt_len: int = 82, pin_clues: bool = True, seed: int = 0, batch_size: int = 64,
+                   on_round: Callable | None = None) -> list[VerifiedSolve]:
+    """Solve ``puzzles`` with ``model`` and verify each board, re-noising up to ``rounds`` times.
+
+    ``sampler`` is a :class:`~dgemma.diffusion.sampler.CanvasSampler` whose canvas holds the 81
+    cells (``dgemma.eval.harness.build_sampler`` builds a run's; the playground has its own).
+    Its round-0 output, batch by batch of ``batch_size`` with one generator seeded by ``seed``,
+    is exactly what ``dgemma solve --no-verify`` prints; ``pin_clues`` pins the clues in round 0
+    as the run was trained (later rounds always pin them). ``on_round(round, rows, plans)``, if
+    given, is called before each re-run with the puzzle indices and their :class:`Plan`.
+    The same inputs and seed give the same answers. Returns one :class:`VerifiedSolve` each.
+    """
+    if isinstance(puzzles, str):
+        puzzles = [puzzles]
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+        raise DGemmaError(f"rounds must be an integer >= 0, got {rounds!r}")
+    if batch_size < 1:
+        raise DGemmaError(f"batch_size must be >= 1, got {batch_size}")
+    if sampler.canvas_size * sampler.max_canvases < 81:
+        raise DGemmaError(f"the sampler's canvas holds {sampler.canvas_size * sampler.max_canvases} tokens; "
+                          "a Sudoku board needs 81")
+    from dgemma.data.sudoku import puzzle_hint
+    from dgemma.eval.harness import encode_prompts
+
+    puzzles = [parse_puzzle(p) for p in puzzles]
+    digit_ids = _digit_ids(tokenizer)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    n, width = len(puzzles), sampler.canvas_size * sampler.max_canvases
+    records = [{"prompt": format_prompt(p), "system": SYSTEM_PROMPT} for p in puzzles]
+    clue_pins = [puzzle_hint(p, tokenizer) for p in puzzles]
+    log = _Log(n)
+    passes, seconds, used = [0] * n, [0.0] * n, [0] * n
+    renoised: list[list[int]] = [[] for _ in range(n)]
+    texts = [""] * n
+
+    def prompt(rows):
+        ids, valid, _ = encode_prompts(tokenizer, [records[r] for r in rows], prompt_len, device=dev)
+        return ids, valid
+
+    def hints_of(pins):
+        return torch.tensor([(p + [-1] * width)[:width] for p in pins], dtype=torch.long, device=dev)
+
+    round_passes: list[list[int]] = [[] for _ in range(n)]
+
+    def account(rows, res):
+        for j, r in enumerate(rows):
+            passes[r] += res.forward_passes[j]
+            round_passes[r].append(res.forward_passes[j])
+            seconds[r] += res.seconds / len(rows)
+
+    base = torch.zeros(n, dtype=torch.float64)
+    for lo in range(0, n, batch_size):
+        rows = list(range(lo, min(n, lo + batch_size)))
+        hints = hints_of([clue_pins[r] for r in rows]) if pin_clues else None
+        res = _sample(model, sampler, digit_ids, prompt(rows), hints, gen, log, rows, base, sampler.num_steps)
+        account(rows, res)
+        for j, r in enumerate(rows):
+            texts[r] = tokenizer.decode(res.tokens[j])
+    model_grids = [_grid(log.tokens[r], digit_ids) for r in range(n)]
+    model_passes, model_seconds = list(passes), list(seconds)
+
+    resampler = sampler
+    step = sampler.step
+    if hasattr(step, "temperature") and not callable(step.temperature):
+        step = copy.copy(step)
+        step.temperature = RESAMPLE_TEMPERATURE
+        resampler = dataclasses.replace(sampler, step=step)
+    grids = list(model_grids)
+    for k in range(1, rounds + 1):
+        todo = [r for r in range(n) if not is_solution(grids[r], puzzles[r])]
+        if not todo:
+            break
+        rule = _rule(k)
+        plans = {r: plan_round(rule, puzzles[r], grids[r], log, r) for r in todo}
+        if on_round is not None:
+            on_round(k, todo, [plans[r] for r in todo])
+        for r, plan in plans.items():
+            renoised[r].append(sum(p < 0 for p in plan.pins))
+            used[r] += 1
+            base[r] = plan.base
+            if plan.pivot is not None:  # the runner-up is pinned there; the old digit becomes its alternative
+                c = plan.pivot
+                log.forced[r, c] = True
+                log.alt[r, c], log.conf[r, c], log.altp[r, c] = (int(log.tokens[r, c]), float(log.altp[r, c]),
+                                                                 float(log.conf[r, c]))
+        groups: dict[int, list[int]] = {}
+        for r in todo:
+            groups.setdefault(_steps(renoised[r][-1], sampler.num_steps), []).append(r)
+        for steps, members in sorted(groups.items()):
+            for lo in range(0, len(members), batch_size):
+                rows = members[lo:lo + batch_size]
+                s = sampler if rule == "branch" else resampler
+                res = _sample(model, s, digit_ids, prompt(rows), hints_of([plans[r].pins for r in rows]), gen, log,
+                              rows, base, steps)
+                account(rows, res)
+        for r in todo:
+            grids[r] = _grid(log.tokens[r], digit_ids)
+    return [VerifiedSolve(puzzles[r], grids[r], is_solution(grids[r], puzzles[r]), used[r], passes[r], seconds[r],
+                          model_grids[r], is_solution(model_grids[r], puzzles[r]), model_passes[r], model_seconds[r],
+                          texts[r], renoised[r], round_passes[r]) for r in range(n)]
+
+
+def run_sampler(run, *, num_steps: int = 81, step_type: str = "commit", temperature: float = 0.0):
+    """The sampler ``dgemma solve`` uses for a run: greedy, no early stopping."""
+    from dgemma.eval.harness import build_sampler
+    from dgemma.eval.tasks import get_task
+
+    sampler, _ = build_sampler(run, get_task("sudoku"), num_steps=num_steps, step_type=step_type,
+                               temperature=temperature, early_stopping=None)
+    return sampler
+
+
+def solve_run(run, puzzles: list[str] | str, *, rounds: int = DEFAULT_ROUNDS, num_steps: int = 81,
+              step_type: str = "commit", seed: int = 0, batch_size: int = 64,
+              on_round: Callable | None = None) -> list[VerifiedSolve]:
+    """:func:`solve_verified` with a training run's model, tokenizer, sampler and clue pinning."""
+    return solve_verified(run.model, run.tokenizer, puzzles, sampler=run_sampler(run, num_steps=num_steps,
+                          step_type=step_type), rounds=rounds, prompt_len=run.cfg.data.prompt_len,
+                          pin_clues=bool(run.cfg.data.pin_clues), seed=seed, batch_size=batch_size, on_round=on_round)
+
+
+# ------------------------------------------------------------------------------------ reporting
+def summarize(solves: list[VerifiedSolve]) -> dict:
+    """Model-only and verified figures, kept apart: valid count and rate, passes, seconds."""
+    n = max(len(solves), 1)
+    model = {"valid": sum(s.model_valid for s in solves), "passes": sum(s.model_passes for s in solves),
+             "seconds": sum(s.model_seconds for s in solves)}
+    ver = {"valid": sum(s.valid for s in solves), "passes": sum(s.passes for s in solves),
+           "seconds": sum(s.seconds for s in solves), "rounds": sum(s.rounds for s in solves),
+           "unsolved": sum(not s.valid for s in solves)}
+    for d in (model, ver):
+        d.update(count=len(solves), valid_rate=d["valid"] / n, mean_passes=d["passes"] / n,
+                 boards_per_second=len(solves) / max(d["seconds"], 1e-9))
+    ver["mean_rounds"] = ver["rounds"] / n
+    return {"model_only": model, "verified": ver}
+
+
+def evaluate_verified(run, task="sudoku", *, rounds: int = DEFAULT_ROUNDS, records: list[dict] | None = None,
+                      num_steps: int = 81, step_type: str | None = None, batch_size: int | None = None,
+                      seed: int | None = None, split: str | None = None) -> dict:
+    """Score verified solving on a run, model-only and verified apart; returns a JSON-able dict.
+
+    Call it like :func:`dgemma.eval.harness.evaluate`: ``evaluate_verified(run, "sudoku",
+    rounds=8)`` scores the task's held-out records (``task.load``: the 768 generated puzzles of
+    seed 7919 unless ``data.path`` is set), or pass ``records`` (dicts with ``puzzle`` and
+    ``solution``). ``step_type``, ``batch_size`` and ``seed`` default to the run's ``eval_ds``;
+    sampling is greedy without early stopping, as ``dgemma solve``. The keys:
+
+    - ``model_only``: ``task.score`` of round 0's decoded canvases (the same numbers as the
+      ``sample_ar_steps{num_steps}`` evaluator with a greedy config) plus ``mean_passes``,
+      ``seconds`` and ``boards_per_second``;
+    - ``verified``: ``task.score`` of the verified answers, where a puzzle still broken after
+      ``rounds`` rounds counts as no answer (every metric 0: verified mode declines, it never
+      answers wrong), plus ``solved``, ``unsolved``, ``mean_rounds``, ``mean_passes``,
+      ``rounds_histogram`` (rounds used -> puzzles solved with that many; ``"unsolved"``),
+      ``seconds`` (round 0 included) and ``boards_per_second``;
+    - ``settings``, ``eval_name`` (``verified_steps{N}_rounds{K}``), ``checkpoint_step``, and
+      ``examples``: one dict per record for a ``step_<S>.jsonl`` (pop it before writing the
+      summary JSON).
+    """
+    from dgemma.eval.tasks import get_task
+
+    cfg, e = run.cfg, run.cfg.eval_ds
+    task = (get_task(task) if isinstance(task, str) else task).configure(cfg)
+    if task.name != "sudoku":
+        raise DGemmaError(f"verified solving is for the sudoku task, not {task.name!r}")
+    split = task.check_split(split or task.default_split)
+    records = task.load(cfg, split) if records is None else records
+    step_type = step_type or e.step_type
+    seed = e.seed if seed is None else seed
+    batch_size = batch_size or e.batch_size
+    t0 = time.perf_counter()
+    solves = solve_run(run, [r["puzzle"] for r in records], rounds=rounds, num_steps=num_steps, step_type=step_type,
+                       seed=seed, batch_size=batch_size)
+    wall = time.perf_counter() - t0
+    summary = summarize(solves)
+    model = {**task.score([s.model_text for s in solves], records), **{
+        k: summary["model_only"][k] for k in ("mean_passes", "seconds", "boards_per_second")}}
+    answers = [" ".join(s.grid) if s.valid else "" for s in solves]
+    hist: dict[str, int] = {}
+    for s in solves:
+        key = str(s.rounds) if s.valid else "unsolved"
+        hist[key] = hist.get(key, 0) + 1
+    ver = {**task.score(answers, records), "solved": summary["verified"]["valid"],
+           "unsolved": summary["verified"]["unsolved"], "rounds_histogram": hist, **{
+               k: summary["verified"][k] for k in ("mean_rounds", "mean_passes", "seconds", "boards_per_second")}}
+    examples = [{"index": i, "id": r.get("id"), "puzzle": s.puzzle, "reference": r.get("solution"),
+                 "model_grid": s.model_grid, "model_valid": s.model_valid, "model_passes": s.model_passes,
+                 "grid": s.grid if s.valid else None, "valid": s.valid, "rounds": s.rounds, "passes": s.passes,
+                 "renoised": s.renoised} for i, (r, s) in enumerate(zip(records, solves))]
+    settings = {"rounds": rounds, "num_steps": num_steps, "step_type": step_type, "temperature": 0.0,
+                "resample_temperature": RESAMPLE_TEMPERATURE, "seed": seed, "batch_size": batch_size,
+                "pin_clues": bool(cfg.data.pin_clues), "device": str(next(run.model.parameters()).device),
+                "threads": torch.get_num_threads(), "wall_seconds": wall}
+    return {"eval_name": f"verified_steps{num_steps}_rounds{rounds}", "task": task.name, "split": split,
+            "source": task.source(cfg, split), "checkpoint_step": run.step, "num_examples": len(records),
+            "model_only": model, "verified": ver, "settings": settings, "examples": examples}

@@ -1,0 +1,175 @@
+"""Verified Sudoku solving: the rule checks, the round loop (scripted sampler) and a tiny real run."""
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dgemma.data.char_tokenizer import CharTokenizer
+from dgemma.data.sudoku import generate_puzzles
+from dgemma.diffusion.sampler import SampleResult
+from dgemma.errors import DGemmaError
+from dgemma.eval.sudoku_verify import (duplicate_groups, evaluate_verified, is_solution, offending_cells,
+                                       solution_error, solve_run, solve_verified, summarize)
+
+REC = generate_puzzles(1, seed=3, difficulty="medium")[0]
+PUZZLE, SOLUTION = REC["puzzle"], REC["solution"]
+TOK = CharTokenizer.named("digits")
+
+
+def _broken(solution: str) -> str:
+    """The solution with its first blank's digit swapped for the next blank's digit in the same row."""
+    g = list(solution)
+    blanks = [i for i in range(81) if PUZZLE[i] == "0"]
+    a = blanks[0]
+    b = next(i for i in blanks if i // 9 == a // 9 and solution[i] != solution[a])
+    g[a] = solution[b]
+    return "".join(g)
+
+
+def test_rule_checks():
+    assert is_solution(SOLUTION, PUZZLE) and solution_error(SOLUTION, PUZZLE) is None
+    bad = _broken(SOLUTION)
+    assert not is_solution(bad, PUZZLE)
+    cells = offending_cells(bad, PUZZLE)
+    assert cells and all(PUZZLE[i] == "0" for i in cells)  # clues are never offenders
+    assert all(len(g) == 2 for g in duplicate_groups(bad))
+    relabelled = SOLUTION.translate(str.maketrans("12", "21"))  # a valid grid that changes clues
+    assert solution_error(relabelled, "0" * 81) is None and "clue" in solution_error(relabelled, PUZZLE)
+    assert "81 characters" in solution_error("12", PUZZLE)
+    assert duplicate_groups("0" + SOLUTION[1:]) == [[0]]  # a cell without a digit is broken alone
+
+
+# ------------------------------------------------------------------------------ scripted sampler
+@dataclass(kw_only=True)
+class Scripted:
+    """A stand-in CanvasSampler: call k fills every free cell from ``answers[min(k, -1)]`` and
+    keeps every pin; records the hints of each call."""
+
+    answers: list
+    step: object = field(default_factory=lambda: SimpleNamespace(temperature=0.0))
+    num_steps: int = 81
+    canvas_size: int = 81
+    max_canvases: int = 1
+    on_step: object = None
+    calls: list = field(default_factory=list)
+
+    def __call__(self, model, ids, valid, *, generator, hints=None):
+        answer = TOK.encode(self.answers[min(len(self.calls), len(self.answers) - 1)])
+        self.calls.append((self.num_steps, None if hints is None else hints.tolist()))
+        rows = []
+        for j in range(ids.shape[0]):
+            h = hints[j].tolist() if hints is not None else [-1] * 81
+            rows.append([h[i] if h[i] >= 0 else answer[i] for i in range(81)])
+        return SampleResult(rows, [1 + self.num_steps] * len(rows), [[self.num_steps]] * len(rows), 0.01)
+
+
+MODEL = torch.nn.Linear(1, 1)
+
+
+def _solve(answers, rounds, **kw):
+    sampler = Scripted(answers=answers)
+    return solve_verified(MODEL, TOK, [PUZZLE], sampler=sampler, rounds=rounds, **kw)[0], sampler
+
+
+def test_a_valid_first_board_takes_no_rounds():
+    seen = []
+    s, sampler = _solve([SOLUTION], rounds=8, on_round=lambda *a: seen.append(a))
+    assert s.valid and s.model_valid and s.grid == SOLUTION
+    assert s.rounds == 0 and s.passes == s.model_passes == 82 and s.round_passes == [82] and not seen
+    assert len(sampler.calls) == 1
+
+
+def test_a_broken_board_is_never_reported_valid():
+    bad = _broken(SOLUTION)
+    s, sampler = _solve([bad], rounds=5)
+    assert not s.valid and not s.model_valid and s.grid == bad and s.error
+    assert s.rounds == 5 and len(s.round_passes) == 6 and s.passes == sum(s.round_passes)
+    assert len(sampler.calls) == 6
+    summary = summarize([s])
+    assert summary["model_only"]["valid"] == 0 and summary["verified"]["valid"] == 0
+    assert summary["verified"]["unsolved"] == 1 and summary["verified"]["mean_rounds"] == 5
+
+
+def test_rounds_zero_verifies_without_renoising():
+    s, sampler = _solve([_broken(SOLUTION)], rounds=0)
+    assert not s.valid and s.rounds == 0 and len(sampler.calls) == 1
+
+
+def test_a_later_round_fixes_it_and_pins_keep_the_clues():
+    bad = _broken(SOLUTION)
+    s, sampler = _solve([bad, bad, SOLUTION], rounds=8)
+    assert s.valid and not s.model_valid and s.rounds == 2 and s.grid == SOLUTION
+    assert s.model_grid == bad  # the model-only answer is kept apart
+    clue_tok = TOK.encode(PUZZLE)
+    for k, (steps, hints) in enumerate(sampler.calls):
+        row = hints[0]
+        assert all(row[i] == clue_tok[i] for i in range(81) if PUZZLE[i] != "0"), k
+        if k:  # a round re-noises something, and takes one step per re-noised cell (rounded up to 8)
+            free = sum(h < 0 for h in row)
+            assert free >= 1 and steps == min(81, 8 * -(-free // 8)) and free == s.renoised[k - 1]
+
+
+def test_clues_are_pinned_in_later_rounds_even_when_round_0_does_not_pin():
+    s, sampler = _solve([_broken(SOLUTION), SOLUTION], rounds=3, pin_clues=False)
+    assert sampler.calls[0][1] is None and sampler.calls[1][1] is not None and s.valid
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(DGemmaError, match="rounds must be an integer >= 0"):
+        _solve([SOLUTION], rounds=-1)
+    with pytest.raises(DGemmaError, match="81 cells"):
+        solve_verified(MODEL, TOK, ["123"], sampler=Scripted(answers=[SOLUTION]))
+    with pytest.raises(DGemmaError, match="a Sudoku board needs 81"):
+        solve_verified(MODEL, TOK, [PUZZLE], sampler=Scripted(answers=[SOLUTION], canvas_size=40))
+    bpe = SimpleNamespace(encode=lambda s: [1] * (len(s) // 3))
+    with pytest.raises(DGemmaError, match="one token per cell"):
+        solve_verified(MODEL, bpe, [PUZZLE], sampler=Scripted(answers=[SOLUTION]))
+
+
+# ------------------------------------------------------------------------------ a tiny real run
+@pytest.fixture(scope="module")
+def tiny(tiny_run):
+    from dgemma.training.runs import load_run
+
+    return load_run(tiny_run, device="cpu")
+
+
+def _plain(s):
+    return {k: v for k, v in dataclasses.asdict(s).items() if "seconds" not in k}
+
+
+def test_tiny_run_is_checked_reproducible_and_keeps_clues(tiny):
+    from dgemma.cli.solve import solve
+
+    puzzles = [r["puzzle"] for r in generate_puzzles(3, seed=5, difficulty="easy")]
+    a = solve_run(tiny, puzzles, rounds=3, seed=1)
+    b = solve_run(tiny, puzzles, rounds=3, seed=1)
+    assert [_plain(x) for x in a] == [_plain(x) for x in b]  # same seed, same output
+    old = solve(puzzles, tiny, steps=81, step_type="commit", seed=1)  # dgemma solve --no-verify
+    for s, o in zip(a, old):
+        assert s.valid == is_solution(s.grid, s.puzzle) and s.model_valid == is_solution(s.model_grid, s.puzzle)
+        assert s.model_valid == o["valid"]
+        if len(o["grid"]) == 81:
+            assert s.model_grid == o["grid"]
+        assert all(p == "0" or p == g for p, g in zip(s.puzzle, s.grid))  # pinned clues survive every round
+        assert s.rounds == (0 if s.model_valid else (3 if not s.valid else s.rounds)) <= 3
+        assert len(s.round_passes) == s.rounds + 1 and s.passes == sum(s.round_passes)
+
+
+def test_evaluate_verified_keeps_model_only_equal_to_the_plain_evaluator(tiny, tmp_path):
+    from dgemma.eval.harness import evaluate
+    from dgemma.eval.tasks import generate_eval_puzzles
+
+    records = generate_eval_puzzles(6, seed=11)
+    out = evaluate_verified(tiny, "sudoku", rounds=2, records=records)
+    plain = evaluate(tiny, "sudoku", eval_name="plain", num_steps=81, step_type="commit", temperature=0.0,
+                     early_stopping=None, records=records, out_dir=tmp_path, ar_max_tokens=0)
+    assert {k: out["model_only"][k] for k in plain["metrics"]} == plain["metrics"]
+    v = out["verified"]
+    assert v["solved"] + v["unsolved"] == 6 == out["num_examples"] and len(out["examples"]) == 6
+    assert v["valid_accuracy"] == v["solved"] / 6  # a verified answer is valid or absent, never wrong
+    assert out["eval_name"] == "verified_steps81_rounds2" and out["settings"]["rounds"] == 2
+    assert sum(v["rounds_histogram"].values()) == 6
