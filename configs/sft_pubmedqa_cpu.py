@@ -2,7 +2,7 @@
 batch 2) scaled to end in under 2.5 hours, alone, on this project's 2-core CPU.
 
 Deviations from ``configs/sft_pubmedqa.py``, each with its reason (figures measured on the
-2-core AMD EPYC with AVX512-BF16, torch 2.13.0; see ``checkpoints/pubmedqa_270m/README.md``):
+2-core AMD EPYC with AVX512-BF16, torch 2.13.0; see ``docs/guides/adapt-gemma-pubmedqa.md``):
 
 - ``diffusion.canvas_size=32, num_canvases=5`` (2 x 128 in the seed recipe; 160 tokens hold
   every training answer, the longest being 149 with its end-of-turn). Answers are 51 tokens at
@@ -14,7 +14,7 @@ Deviations from ``configs/sft_pubmedqa.py``, each with its reason (figures measu
   (``loss_on="noised"``) and the ``commit`` step (greedy, most confident first): the denoiser
   sees which positions are unknown, as in LLaDA, Dream and Fast-dLLM, whereas over a
   262,144-token vocabulary a uniformly noised canvas is mostly random words the model must first
-  learn to spot. 200-step probes of both at 2 x 128 canvases are reported in the model card.
+  learn to spot. 200-step probes of both at 2 x 128 canvases scored 0 of 50 alike (the guide).
 - ``diffusion.ar_loss_weight=0``: no encoder next-token loss. Its cost is the LM head over every
   scored position: 12.7 s/step with the AR loss over prompt and response, 6.3 s over the
   response alone, 3.9 s without it (2 threads, bf16). The diffusion loss still trains the
