@@ -98,8 +98,9 @@ class Model:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        ids = (self.tokenizer.eos_id, getattr(self.tokenizer, "end_of_turn_id", None))
-        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+        from dgemma.eval.tasks import response_stop_ids
+
+        return response_stop_ids(self.tokenizer)
 
     def settings(self, overrides: SamplerConfig | None = None) -> SamplerConfig:
         return (overrides or SamplerConfig()).merged(self.defaults)

@@ -45,6 +45,12 @@ def _count(cfg, limit: int | None) -> int:
     return cfg.eval_ds.num_examples if limit is None else min(limit, cfg.eval_ds.num_examples)
 
 
+
+def response_stop_ids(tokenizer) -> tuple[int, ...]:
+    """EOS and end-of-turn, the ids that end a response (those the tokenizer has)."""
+    ids = (tokenizer.eos_id, getattr(tokenizer, "end_of_turn_id", None))
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
 class Task:
     """Base: records from ``<data.path>/<split>.jsonl``; responses end at EOS or end-of-turn."""
 
@@ -92,9 +98,7 @@ class Task:
             raise DGemmaError(f"{self.name} record {record.get('id', '?')!r} lacks {missing}")
 
     def stop_ids(self, tokenizer) -> tuple[int, ...]:
-        """EOS and end-of-turn, the ids that end a response (those the tokenizer has)."""
-        ids = (tokenizer.eos_id, getattr(tokenizer, "end_of_turn_id", None))
-        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+        return response_stop_ids(tokenizer)
 
     def reference(self, record: dict) -> str:
         return record["response"]

@@ -169,8 +169,9 @@ class Engine:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        ids = (self.tokenizer.eos_id, getattr(self.tokenizer, "end_of_turn_id", None))
-        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+        from dgemma.eval.tasks import response_stop_ids
+
+        return response_stop_ids(self.tokenizer)
 
 
 def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
