@@ -1,7 +1,7 @@
 """The AR baseline of ``configs/sft_pubmedqa_cpu.py``: the same Gemma 3 270M, LoRA (r4, all linear
 layers), data (the same 5 x 32-token response layout, so the loss covers the same tokens: the
 answer, its end-of-turn and the EOS fill of its last canvas), batch, steps, optimiser, schedule,
-seed and thread count, trained as a plain
+seed and thread count (batch 8, LR 2e-4 -> 2e-5, 100 steps), trained as a plain
 autoregressive model: next-token loss on the response (and its end-of-turn) only, as SFT does,
 no corruption and no decoder pass (``diffusion_loss_weight=0``), no self-conditioning module
 (an AR model has no previous denoising step to condition on).
@@ -27,11 +27,11 @@ def get_config() -> Config:
                                   selfcond_prob=0.0, ar_loss_weight=1.0, ar_loss_on="response",
                                   diffusion_loss_weight=0.0, decode="one", loss_chunk_tokens=1024),
         data=DataConfig(task="pubmedqa", path="data/pubmedqa", prompt_len=1024, trim_prompt_padding=True,
-                        batch_size=2, seed=0),
-        optim=OptimConfig(name="adamw", lr=1e-4, min_lr_ratio=0.1, warmup_steps=60, betas=(0.95, 0.99),
+                        batch_size=8, seed=0),
+        optim=OptimConfig(name="adamw", lr=2e-4, min_lr_ratio=0.1, warmup_steps=10, betas=(0.95, 0.99),
                           weight_decay=1e-4, clip_norm=1.0),
-        train=TrainConfig(steps=1200, grad_accum=1, seed=0, dtype="auto", checkpoint_every=100, keep_last=2,
-                          log_every=10, eval_every=200, eval_name="train_eval_ar_greedy", threads=1),
+        train=TrainConfig(steps=100, grad_accum=1, seed=0, dtype="auto", checkpoint_every=20, keep_last=None,
+                          log_every=1, eval_name="train_eval_ar_greedy", threads=1),
         eval_ds=EvalConfig(batch_size=16, steps=[8, 16, 32], step_type="commit", temperature=0.0,
                            early_stopping="entropy", num_examples=500),
     )

@@ -409,7 +409,16 @@ class DGemmaLM(TemplateLM):
         keep = p + (n_canvas - 1) * c  # the clean context and every canvas but the last: one prefill for all draws
         ids = torch.cat([prompt_ids, x0], 1)
         cache = KVCache(len(items), ids.shape[1])
-        model(ids[:, :keep], info=info[:, :keep], cache=cache, return_hidden=True)
+        enc = model(ids[:, :keep], info=info[:, :keep], cache=cache, return_hidden=True)
+        align = None
+        if model.config.shift_logits:  # each canvas's first token is predicted by the state before it
+            from dgemma.diffusion.shift import before_indices, shift_to_canvas
+
+            at = before_indices(prompt_valid, torch.arange(n_canvas, device=dev).expand(len(items), -1), c)
+            before = enc.gather(1, at[..., None].expand(-1, -1, enc.shape[-1]))
+
+            def align(h):
+                return shift_to_canvas(h, before, c)
         canvas = info[:, p:]
         noisy = TokenInfo(canvas.positions, canvas.blocks, torch.ones_like(canvas.valid), canvas.valid)
         gens = [_seeded(*parts) for _, _, parts in items]
@@ -429,7 +438,7 @@ class DGemmaLM(TemplateLM):
                 weight = -da / a / noise.vocab_size  # beta / V on the rate terms
             else:
                 raise DGemmaError(f"no ELBO for noise process {type(noise).__name__}")
-            h = self._hidden(xt, noisy, cache, t.to(dev, torch.float32))[free]
+            h = self._hidden(xt, noisy, cache, t.to(dev, torch.float32), align)[free]
             x0v, xtv = x0[free], xt[free]
             for s in range(0, h.shape[0], chunk):
                 sl = slice(s, s + chunk)
@@ -454,16 +463,18 @@ class DGemmaLM(TemplateLM):
         greedy = ((logits.argmax(-1) == x0) | ~free).all(-1).tolist()
         return [(-float(v), bool(g)) for v, g in zip(nelbo.tolist(), greedy)]
 
-    def _hidden(self, xt, noisy, cache, t):
+    def _hidden(self, xt, noisy, cache, t, align=None):
         """Final hidden states of the noisy canvases against the cached clean prefix, with the
-        two-pass self-conditioning of sampling when the model has it (as ``dgemma/eval/lite.py``)."""
+        two-pass self-conditioning of sampling when the model has it (as ``dgemma/eval/lite.py``);
+        ``align`` maps them to the states predicting each position (``shift_logits``)."""
         from dgemma.models.selfcond import expected_embedding
 
         model = self.model
-        h = model(xt, info=noisy, cache=cache, t=t, return_hidden=True)
+        align = align or (lambda h: h)
+        h = align(model(xt, info=noisy, cache=cache, t=t, return_hidden=True))
         if model.self_conditioning is not None:
             signal = expected_embedding(h.reshape(-1, h.shape[-1]), model.lm_head.weight,
                                         softcap=model.config.final_logit_softcapping)
-            h = model(xt, info=noisy, cache=cache, t=t, selfcond=signal.view_as(h), return_hidden=True)
+            h = align(model(xt, info=noisy, cache=cache, t=t, selfcond=signal.view_as(h), return_hidden=True))
         return h
 

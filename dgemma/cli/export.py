@@ -53,6 +53,9 @@ def export_run(workdir: str | Path, out: str | Path, *, step: int | None = None,
     from dgemma.models.hf_gemma4 import is_diffusiongemma, save_diffusiongemma
 
     if is_diffusiongemma(run.model.config):  # back to transformers' DiffusionGemma layout, LoRA merged
+        if run.model.config.shift_logits:
+            raise DGemmaError("a shift_logits model has no DiffusionGemma layout (that format predicts each "
+                              "canvas token at its own position); export it from a Gemma 3 base instead")
         if run.cfg.lora.enabled:
             merge_lora(run.model)
         save_diffusiongemma(run.model, tokenizer, out, canvas_length=run.cfg.diffusion.canvas_size)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from dgemma.diffusion.losses import ar_loss, chunked_cross_entropy
 from dgemma.diffusion.schedules import sample_t
+from dgemma.diffusion.shift import before_indices, shift_to_canvas
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.selfcond import expected_embedding
@@ -206,14 +207,15 @@ class DiffusionObjective:
 
         # decode the corrupted canvases, optionally self-conditioned on a detached first pass
         xt, noisy, t = plan.xt, plan.noisy, plan.t
+        align = self._aligner(model, batch, plan, hidden)  # shift_logits: position j predicted from j - 1
         selfcond = None
         use = plan.selfcond_rows
         if model.self_conditioning is not None and use is not None and (use.any() or plan.first_pass):
             with torch.no_grad():
-                h0 = model(xt, info=noisy, cache=cache, t=t, return_hidden=True)
+                h0 = align(model(xt, info=noisy, cache=cache, t=t, return_hidden=True))
                 signal = expected_embedding(h0.reshape(-1, h0.shape[-1]), weight, softcap=softcap)
             selfcond = signal.view_as(h0) * use[:, None, None].to(h0.dtype)  # zero signal = off
-        hd = model(xt, info=noisy, cache=cache, t=t, selfcond=selfcond, return_hidden=True)
+        hd = align(model(xt, info=noisy, cache=cache, t=t, selfcond=selfcond, return_hidden=True))
         d_sum, d_count = chunked_cross_entropy(hd.reshape(-1, hd.shape[-1]), weight, plan.x0.reshape(-1),
                                                plan.target.reshape(-1), softcap=softcap,
                                                chunk_tokens=self.chunk_tokens)
@@ -228,6 +230,23 @@ class DiffusionObjective:
             # encoder's), without FSDP.
             d_sum = d_sum + hidden.sum() * 0.0
         return LossTerms(d_sum, d_count, ar_sum, ar_count)
+
+
+    def _aligner(self, model, batch: dict[str, Tensor], plan: Plan, hidden: Tensor | None):
+        """Identity, or for ``shift_logits`` the map from decoder states to the states that
+        predict each canvas token (:func:`dgemma.diffusion.shift.shift_to_canvas`), the first
+        position of a canvas taking the encoder's state of the token before it."""
+        if not model.config.shift_logits:
+            return lambda h: h
+        b, n = plan.chosen.shape
+        dev = plan.chosen.device
+        canvases = (plan.chosen.float().argmax(-1, keepdim=True) if self.decode == "one"
+                    else torch.arange(n, device=dev).expand(b, n))  # [B, K] the canvases decoded
+        idx = before_indices(batch["prompt_valid"].bool(), canvases, self.canvas_size)
+        # a canvas past the encoded context is padding (never scored): any state will do
+        idx = idx.clamp_max(hidden.shape[1] - 1)
+        before = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, K, d]
+        return lambda h: shift_to_canvas(h, before, self.canvas_size)
 
 
 def _fsdp_layers(model) -> bool:

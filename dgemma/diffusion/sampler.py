@@ -11,6 +11,9 @@ For each batch of prompts (right padded, any lengths)::
         cut each row's canvas at EOS / end-of-turn -> that row is finished
         append the canvas of unfinished rows              1 forward (encoder, writes the cache)
 
+With ``shift_logits`` the first token of a canvas is predicted by the clean state of the token
+before it, which the prefill or the append already computed (``dgemma/diffusion/shift.py``).
+
 Finished rows leave the active batch (``KVCache.select``), so they stop costing compute.
 ``use_cache=False`` recomputes the whole prefix at every step instead: the same numbers (the
 single-shot forward with the block mask), at the cost the cache exists to avoid.
@@ -29,6 +32,7 @@ from torch import Tensor
 
 from dgemma.diffusion.corruption import UniformNoise
 from dgemma.diffusion.schedules import LinearSchedule, time_grid
+from dgemma.diffusion.shift import before_indices, shift_to_canvas
 from dgemma.diffusion.steps import CanvasState, EntropyBoundStep
 from dgemma.diffusion.stopping import NoStop, StableAndConfident
 from dgemma.models.kv_cache import KVCache
@@ -119,10 +123,15 @@ class CanvasSampler:
         active = torch.arange(b, device=dev)  # original row of each active row
         prefix_ids, prefix_info = prompt_ids, TokenInfo.clean(prompt_valid)
         cache = None
+        shift = model.config.shift_logits
+        if shift:  # the state of the token before the canvas predicts its first token (diffusion/shift.py)
+            before_idx = before_indices(prompt_valid, torch.zeros(b, 1, dtype=torch.long, device=dev), c)[:, 0]
+        before = None  # [rows of the canvas batch, d]
         if self.use_cache:
             cache = KVCache(b, p + self.max_canvases * c)
             if p:
-                model(prompt_ids, info=prefix_info, cache=cache, return_hidden=True)  # keys only: no LM head
+                h = model(prompt_ids, info=prefix_info, cache=cache, return_hidden=True)  # keys only: no LM head
+                before = h[torch.arange(b, device=dev), before_idx] if shift else None
 
         grid = time_grid(self.num_steps, t_max=self.t_max)
         embed = model.model.embed_tokens.weight
@@ -149,8 +158,15 @@ class CanvasSampler:
                                    write=False, selfcond=selfcond, t=t, return_hidden=True)
                 else:
                     ids = torch.cat([ctx_ids, state.tokens], 1)
-                    hidden = model(ids, info=ctx_info.cat(noisy[running]), selfcond=_pad_left(selfcond, ctx_ids), t=t,
-                                   return_hidden=True)[:, -c:]
+                    full = model(ids, info=ctx_info.cat(noisy[running]), selfcond=_pad_left(selfcond, ctx_ids), t=t,
+                                 return_hidden=True)
+                    hidden = full[:, -c:]
+                    if shift:  # the clean context's states equal the encoder's: read the one before the canvas
+                        at = before_idx[active][running] if k == 0 else torch.full_like(running, ctx_ids.shape[1] - 1)
+                        before = full[torch.arange(running.numel(), device=dev), at]
+                if shift:
+                    row_before = before if not self.use_cache else before[running]
+                    hidden = shift_to_canvas(hidden, row_before[:, None], c)
                 # committed positions can no longer change: the LM head runs on the open ones only
                 open_ = ~state.committed if self.skip_committed and getattr(self.step, "commits", False) else None
                 logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
@@ -216,7 +232,8 @@ class CanvasSampler:
                               torch.ones_like(canvas, dtype=torch.bool))
             if self.use_cache:
                 cache = cache.select(keep.nonzero().squeeze(1))
-                model(canvas, info=clean, cache=cache, return_hidden=True)  # append: encoder pass, keys only
+                h = model(canvas, info=clean, cache=cache, return_hidden=True)  # append: encoder pass, keys only
+                before = h[:, -1] if shift else None
                 for r in active.tolist():
                     fwd[r] += 1
             else:

@@ -214,6 +214,9 @@ def _decode_all(model, batch: dict, xt: Tensor, t: Tensor, canvas_size: int, sel
     """Final hidden states ``[B, N*C, d]`` of every canvas decoded from ``xt`` at time ``t``
     against its clean prefix (the training forward of ``decode="all"``)."""
     from dgemma.diffusion.objective import batch_info
+
+    if model.config.shift_logits:  # Lite is trained from scratch and never shifted
+        raise DGemmaError("the NELBO of dgemma/eval/lite.py does not support shift_logits models")
     from dgemma.models.kv_cache import KVCache
     from dgemma.models.masks import TokenInfo
     from dgemma.models.selfcond import expected_embedding

@@ -86,6 +86,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     decoder_window_anchor: str = "query"  # query | canvas (DiffusionGemma)
     canvas_position_groups: list[list[int]] | None = None  # learned canvas positions: group ids per offset
+    shift_logits: bool = False  # canvas token j predicted from hidden j - 1 (j = 0: the token before): diffusion/shift.py
 
     def __post_init__(self):
         if self.layer_types is None:

@@ -44,7 +44,7 @@ FINGERPRINT_FIELDS = (
     "self_conditioning", "selfcond_variant", "selfcond_intermediate_size",
     "time_conditioning", "time_freq_dim", "canvas_position_groups",
     "norm_unit_offset", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "num_experts",
-    "top_k_experts", "moe_intermediate_size", "layer_scalar",
+    "top_k_experts", "moe_intermediate_size", "layer_scalar", "shift_logits",
 )
 """The architecture a set of weights belongs to: shapes, which trained blocks exist, and the
 encoder's attention rule. Back-end, checkpointing and context-length fields may change freely."""
@@ -71,6 +71,8 @@ def model_fingerprint(model_config: dict | Any) -> dict:
         del fp["time_freq_dim"]
     if fp["canvas_position_groups"] is None:  # unset: the print of a checkpoint saved before the field
         del fp["canvas_position_groups"]
+    if not fp["shift_logits"]:  # likewise
+        del fp["shift_logits"]
     return fp
 
 
@@ -101,8 +103,9 @@ def check_compatible(saved_meta: dict, model_config: dict | Any, *, source: str 
     name = str(source) if source is not None else f"step {saved_meta.get('step', '?')}"
     if saved is None:
         raise DGemmaError(f"checkpoint {name} records no model architecture; cannot check it")
-    saved = {"canvas_position_groups": None, **saved}  # absent from a print = unset (older prints too)
-    mine = model_fingerprint(model_config)
+    unset = {"canvas_position_groups": None, "shift_logits": False}  # absent from a print (older prints too)
+    saved = {**unset, **saved}
+    mine = {**unset, **model_fingerprint(model_config)}
     keys = [k for k in dict.fromkeys([*saved, *mine]) if k in saved]
     diff = [k for k in keys if saved.get(k) != mine.get(k)]
     if diff:
