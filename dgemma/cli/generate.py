@@ -6,7 +6,8 @@ training workdir. ``--pretrained SRC`` loads a base model as it is (``gemma3-270
 folder or ``.gguf``): its diffusion modules are untrained, so it says so on stderr, and its text
 is not what a trained model writes.
 
-``--file F`` reads prompts from a text file (one per line) or a JSONL file (``{"prompt": ...,
+``--example K`` answers held-out question K of the model's ``examples.jsonl`` (the shipped adapter
+carries test-set questions; ``--list-examples`` prints them). ``--file F`` reads prompts from a text file (one per line) or a JSONL file (``{"prompt": ...,
 "system": ...}`` per line, e.g. ``data/pubmedqa/test.jsonl``); ``--out F.jsonl`` writes one
 record per prompt (prompt, output, tokens, forward passes, seconds, settings). Sampler settings
 default to the run's ``eval_ds`` (steps, step rule, temperature, early stopping).
@@ -29,7 +30,10 @@ UNTRAINED_WARNING = ("warning: {src} is a base model whose diffusion modules are
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dgemma generate", description="sample text with a diffusion model")
-    p.add_argument("prompt", nargs="?", help="the prompt (or use --file)")
+    p.add_argument("prompt", nargs="?", help="the prompt (or use --file, or --example)")
+    p.add_argument("--example", type=int, metavar="K", action="append",
+                   help="held-out question K of the model's examples.jsonl (repeatable; --list-examples shows them)")
+    p.add_argument("--list-examples", action="store_true", help="print the model's held-out example questions")
     p.add_argument("--file", help="prompts: a text file (one per line) or JSONL with a 'prompt' field")
     p.add_argument("--out", help="write one JSON record per prompt to this JSONL file")
     src = p.add_mutually_exclusive_group()
@@ -45,8 +49,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = p.parse_args(argv)
-    if not args.prompt and not args.file:
-        p.error("give a prompt or --file")
+    if not args.prompt and not args.file and not args.example and not args.list_examples:
+        p.error("give a prompt, --file or --example K")
     for name in ("steps", "canvases", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DGemmaError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -78,15 +82,33 @@ def read_prompts(args) -> list[dict]:
     return records
 
 
+def read_examples(source) -> list[dict]:
+    """The held-out questions shipped beside a model (``examples.jsonl``), numbered from 0."""
+    path = Path(source) / "examples.jsonl"
+    if not path.is_file():
+        raise DGemmaError(f"{source} has no examples.jsonl (the shipped checkpoints/pubmedqa_270m has test questions)")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def run(argv: list[str]) -> int:
     args = parse(argv)
-    from dgemma.sampling import SamplerConfig, load_model  # after parse: --help loads no torch
-
-    records = read_prompts(args)
     source = args.pretrained or args.checkpoint or SHIPPED
     if not args.pretrained and not Path(source).exists():
         raise DGemmaError(f"no checkpoint at {source}: train one with `dgemma train --cfg=configs/sft_pubmedqa_cpu.py "
                           f"--cfg.workdir={source}`, or pass --checkpoint DIR / --pretrained gemma3-270m")
+    if args.list_examples or args.example:
+        examples = read_examples(args.checkpoint or SHIPPED)
+        if args.list_examples:
+            for k, ex in enumerate(examples):
+                q = ex["prompt"].split("Question:")[-1].strip()
+                print(f"{k}\t{ex.get('label', '-')}\t{q}")
+            return 0
+        bad = [k for k in args.example if not 0 <= k < len(examples)]
+        if bad:
+            raise DGemmaError(f"--example {bad[0]}: the model has examples 0..{len(examples) - 1}")
+    from dgemma.sampling import SamplerConfig, load_model  # after parse: --help loads no torch
+
+    records = read_prompts(args) + [examples[k] for k in args.example or []]
     model = load_model(source, dtype=args.dtype, pretrained=bool(args.pretrained))
     if not model.trained:
         print("[dgemma] " + UNTRAINED_WARNING.format(src=source), file=sys.stderr)
@@ -97,7 +119,8 @@ def run(argv: list[str]) -> int:
     try:
         for rec, o in zip(records, outputs):
             if out:
-                out.write(json.dumps({"prompt": rec["prompt"], "output": o.text, "tokens": o.tokens,
+                out.write(json.dumps({"prompt": rec["prompt"], **({"label": rec["label"]} if "label" in rec else {}),
+                                      "output": o.text, "tokens": o.tokens,
                                       "forward_passes": o.forward_passes, "seconds": o.seconds,
                                       "settings": settings.as_dict(), "model": str(source)}) + "\n")
             else:

@@ -139,6 +139,7 @@ class ModelInfo:
     entropy_threshold: float = 0.05
     task: str | None = None
     cfg: Any = None  # a run's Config (None for a pretrained model)
+    examples: list = field(default_factory=list)  # a run's examples.jsonl: held-out prompts to try
 
     @property
     def step_types(self) -> list[str]:
@@ -150,7 +151,7 @@ class ModelInfo:
         return {"source": self.source, "kind": self.kind, "process": self.process, "canvas_size": self.canvas_size,
                 "max_canvases": self.max_canvases, "prompt_len": self.prompt_len, "task": self.task,
                 "pin_clues": bool(self.cfg is not None and getattr(self.cfg.data, "pin_clues", False)),
-                "step_types": self.step_types, "defaults": self.defaults,
+                "step_types": self.step_types, "defaults": self.defaults, "examples": self.examples,
                 "warning": UNTRAINED_WARNING if self.kind == "pretrained" else None}
 
 
@@ -185,7 +186,25 @@ def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
     max_pos = cfg.model.max_position_embeddings
     return ModelInfo(str(workdir), "run", cfg.diffusion.process, cfg.diffusion.canvas_size,
                      min(max_canvases(cfg), limits.max_canvases), cfg.data.prompt_len, max_pos, defaults,
-                     e.entropy_threshold, cfg.data.task, cfg)
+                     e.entropy_threshold, cfg.data.task, cfg, read_examples(workdir))
+
+
+def read_examples(workdir: Path, limit: int = 20) -> list[dict]:
+    """``workdir/examples.jsonl``: held-out prompts shipped with a model (``{"prompt", "system"?,
+    "id"?, "label"?}`` per line), offered by the page; an unreadable line is skipped."""
+    path = Path(workdir) / "examples.jsonl"
+    out = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                out.append({k: rec[k] for k in ("id", "system", "prompt", "label") if k in rec})
+            if len(out) == limit:
+                break
+    return out
 
 
 def _pretrained_info(source: str, limits: Limits, max_positions: int = 32_768) -> ModelInfo:
@@ -531,6 +550,7 @@ class SolveRequest(SampleParams):
 
 class TextRequest(SampleParams):
     prompt: str
+    system: str | None = None  # a system instruction, rendered as the chat template does
     max_canvases: int | None = Field(None, ge=1)
 
 
@@ -931,14 +951,15 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
     async def generate(req: TextRequest):
         if not req.prompt.strip():
             return _bad("the prompt is empty")
-        if len(req.prompt) > limits.max_prompt_chars:
+        if len(req.prompt) + len(req.system or "") > limits.max_prompt_chars:
             return _bad(f"the prompt is too long: {len(req.prompt)} characters; the limit is "
                         f"{limits.max_prompt_chars} characters")
         if req.max_canvases is not None and req.max_canvases > limits.max_canvases:
             return _bad(f"max_canvases {req.max_canvases} is over the limit of {limits.max_canvases}")
         engine = await load_engine(app, "text")
         try:
-            ids = await run_in_threadpool(encode_user_prompt, engine, {"prompt": req.prompt})
+            record = {"prompt": req.prompt, **({"system": req.system} if req.system and req.system.strip() else {})}
+            ids = await run_in_threadpool(encode_user_prompt, engine, record)
             plan = make_plan(engine, req, ids, limits, req.max_canvases)
         except DGemmaError as e:
             return _bad(str(e))

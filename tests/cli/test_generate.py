@@ -48,3 +48,23 @@ def test_bad_input_is_one_clear_error(tmp_path):
         generate.read_prompts(args)
     with pytest.raises(DGemmaError, match="--steps must be >= 1"):
         generate.parse(["x", "--steps", "0"])
+
+
+def test_examples_shipped_with_a_model(tiny_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    examples = [{"id": "a", "prompt": f"Context:\nx\n\nQuestion: {PUZZLE}", "label": "yes"},
+                {"id": "b", "prompt": PUZZLE[::-1], "label": "no"}]
+    (run / "examples.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    listed = cli("--checkpoint", str(run), "--list-examples")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert listed.stdout.splitlines() == [f"0\tyes\t{PUZZLE}", f"1\tno\t{PUZZLE[::-1]}"]
+    out = tmp_path / "o.jsonl"
+    r = cli("--checkpoint", str(run), "--example", "1", "--out", str(out), "--steps", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["prompt"] == PUZZLE[::-1] and row["label"] == "no"
+    bad = cli("--checkpoint", str(run), "--example", "2")
+    assert bad.returncode != 0 and "examples 0..1" in bad.stderr

@@ -91,6 +91,26 @@ function describeModel(prefix, m) {
     (m.loaded ? "" : " — loads on first use");
   el.classList.toggle("untrained", Boolean(m.warning));
   if (m.warning) el.textContent += ` — warning: ${m.warning}`;
+  if (prefix === "t") showExamples(m.examples || []);
+}
+
+function showExamples(examples) {  // held-out prompts shipped with the model (its examples.jsonl)
+  const sel = $("t-example");
+  sel.closest("label").hidden = examples.length === 0;
+  sel.replaceChildren(sel.options[0]);
+  examples.forEach((ex, i) => {
+    const opt = document.createElement("option");
+    const q = ex.prompt.includes("Question:") ? ex.prompt.split("Question:").pop().trim() : ex.prompt;
+    opt.value = String(i);
+    opt.textContent = (ex.label ? `[${ex.label}] ` : "") + (q.length > 90 ? q.slice(0, 87) + "…" : q);
+    sel.appendChild(opt);
+  });
+  sel.onchange = () => {
+    const ex = examples[Number(sel.value)];
+    if (!ex) return;
+    $("prompt").value = ex.prompt;
+    $("system").value = ex.system || "";
+  };
 }
 
 function markLoaded(prefix, key) {  // a stream started: its model is loaded
@@ -246,6 +266,7 @@ async function generate() {
   showError("t", "");
   $("canvases").replaceChildren();
   const body = {prompt: $("prompt").value, ...readControls("t")};
+  if ($("system").value.trim()) body.system = $("system").value;
   const mc = $("t-max_canvases").value;
   if (mc !== "") body.max_canvases = Number(mc);
   textAbort = new AbortController();
