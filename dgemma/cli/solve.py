@@ -147,6 +147,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="re-noising rounds for a board that breaks a rule (default: %d)" % _default_rounds())
     parser.add_argument("--no-verify", action="store_true", help="print the model's single answer, valid or not")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="inference dtype (auto: the run's training precision; the shipped model trained in fp32)")
     args = parser.parse_args(argv)
     if args.rounds is not None and args.no_verify:
         raise DGemmaError("--rounds and --no-verify exclude each other (--rounds=0 verifies without re-noising)")
@@ -158,7 +160,7 @@ def run(argv: list[str]) -> int:
 
     if not Path(args.checkpoint).is_dir():
         raise DGemmaError(f"checkpoint not found: {args.checkpoint} (train one with configs/sudoku_small.py)")
-    run_ = load_run(args.checkpoint, step=args.step, device="cpu")
+    run_ = load_run(args.checkpoint, step=args.step, device="cpu", dtype=args.dtype)
     if args.no_verify:
         return _model_only(solve(puzzles, run_, steps=args.steps, step_type=args.step_type, seed=args.seed))
     from dgemma.eval.sudoku_verify import solve_run
