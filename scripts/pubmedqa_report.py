@@ -64,20 +64,25 @@ def fmt(v, pct=False) -> str:
     return f"{100 * v:.1f}" if pct else (f"{v:.3g}" if isinstance(v, float) else str(v))
 
 
-def table(rows: list[dict], batch1: dict[tuple[str, str], float]) -> str:
-    head = ("| model | decoder | accuracy % | macro-F1 | pred yes/no/maybe | unparsed | BLEU | tok/fwd | "
+def table(rows: list[dict], batch1: dict[tuple[str, str], float], batch16: dict | None = None) -> str:
+    """``batch16`` (optional) replaces a row's batch-B tokens/s with one measured apart (on an idle
+    machine, when the accuracy run shared it)."""
+    batch16 = batch16 or {}
+    head = ("| model | decoder | questions | accuracy % | macro-F1 | pred yes/no/maybe | unparsed | BLEU | tok/fwd | "
             "steps/canvas | tok/s (batch B) | tok/s batch 1 |")
-    lines = [head, "|" + "---|" * 11]
-    lines.append(f"| {MAJORITY['name']} | - | {fmt(MAJORITY['accuracy'], True)} | {fmt(MAJORITY['macro_f1'])} | "
+    lines = [head, "|" + "---|" * 12]
+    lines.append(f"| {MAJORITY['name']} | - | 500 | {fmt(MAJORITY['accuracy'], True)} | {fmt(MAJORITY['macro_f1'])} | "
                  "500/0/0 | 0 | - | - | - | - | - |")
     for r in rows:
         m, s = r["metrics"], r["stats"]
         b = r["settings"].get("batch_size")
+        key = (r["model"].split(" ")[0], r["eval_name"])
+        tps = batch16.get(key, s["tokens_per_second"])
         lines.append(
-            f"| {r['model']} | {r['eval_name']} | {fmt(m['accuracy'], True)} | {fmt(m['macro_f1'])} | "
-            f"{m['pred_yes']}/{m['pred_no']}/{m['pred_maybe']} | {m['unparsed']} | {fmt(100 * m['bleu'])} | "
-            f"{fmt(s['tokens_per_forward'])} | {fmt(s.get('mean_steps_per_canvas'))} | "
-            f"{fmt(s['tokens_per_second'])} (B={b}) | {fmt(batch1.get((r['model'], r['eval_name'])))} |")
+            f"| {r['model']} | {r['eval_name']} | {r['num_examples']} | {fmt(m['accuracy'], True)} | "
+            f"{fmt(m['macro_f1'])} | {m['pred_yes']}/{m['pred_no']}/{m['pred_maybe']} | {m['unparsed']} | "
+            f"{fmt(m['bleu'])} | {fmt(s['tokens_per_forward'])} | {fmt(s.get('mean_steps_per_canvas'))} | "
+            f"{fmt(tps)} (B={b}) | {fmt(batch1.get(key))} |")
     return "\n".join(lines)
 
 
@@ -87,21 +92,32 @@ def main() -> None:
     p.add_argument("--ar", type=Path, required=True)
     p.add_argument("--batch1", type=Path, nargs="*", default=[],
                    help="folders with batch-1 evaluations (dgemma eval --out DIR --cfg.eval_ds.batch_size=1)")
+    p.add_argument("--subset", type=Path, nargs="*", default=[],
+                   help="folders with evaluations on the first questions only (dgemma eval --out DIR "
+                        "--cfg.aux.eval_num_batches=N); their rows say how many")
+    p.add_argument("--batch16", type=Path, nargs="*", default=[],
+                   help="folders whose batch-16 tokens/s replace the accuracy runs' (measured on an idle machine)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     rows = collect(args.diffusion, "diffusion") + collect(args.ar, "AR")
-    batch1 = {}
-    for folder in args.batch1:
-        label = "AR" if "ar" in folder.name.split("_") else "diffusion"
-        for r in collect(folder, label):
-            batch1[(label, r["eval_name"])] = r["stats"]["tokens_per_second"]
-    text = table(rows, batch1)
+    for folder in args.subset:
+        rows += collect(folder, "AR (subset)" if "ar" in folder.name.split("_") else "diffusion (subset)")
+    speeds = {}
+    for name, folders in (("batch1", args.batch1), ("batch16", args.batch16)):
+        speeds[name] = {}
+        for folder in folders:
+            label = "AR" if "ar" in folder.name.split("_") else "diffusion"
+            for r in collect(folder, label):
+                speeds[name][(label, r["eval_name"])] = r["stats"]["tokens_per_second"]
+    batch1 = speeds["batch1"]
+    text = table(rows, batch1, speeds["batch16"])
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.md").write_text(text + "\n")
-        (args.out / "results.json").write_text(json.dumps({"rows": rows, "batch1_tokens_per_second": {
-            f"{k[0]}/{k[1]}": v for k, v in batch1.items()}}, indent=1) + "\n")
+        (args.out / "results.json").write_text(json.dumps({"rows": rows, **{
+            f"{name}_tokens_per_second": {f"{k[0]}/{k[1]}": v for k, v in sp.items()} for name, sp in speeds.items()}},
+            indent=1) + "\n")
         import matplotlib
 
         matplotlib.use("Agg")
