@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from dgemma.data.sudoku import generate_puzzles  # noqa: E402
 from dgemma.errors import DGemmaError  # noqa: E402
-from dgemma.serve.app import Limits, ModelSlot, create_app  # noqa: E402
+from dgemma.serve.app import Limits, ModelSlot, create_app, is_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -382,11 +382,12 @@ def test_full_server_refuses_with_429_and_retry_after(tiny_run, live_server):
 
 # ------------------------------------------------------------------------------------- the CLI
 def test_cli_resolves_models(tiny_run, tmp_path):
-    from dgemma.cli.serve import parse, resolve_models
+    from dgemma.cli.serve import ADAPTED_TEXT, parse, resolve_models
 
-    assert resolve_models(parse(["--checkpoint", str(tiny_run)])) == (str(tiny_run), "gemma3-270m")
+    text = str(ADAPTED_TEXT) if is_run(ADAPTED_TEXT) else "gemma3-270m"  # the shipped adapter where present
+    assert resolve_models(parse(["--checkpoint", str(tiny_run)])) == (str(tiny_run), text)
     assert resolve_models(parse(["--text-model", "none", "--sudoku-checkpoint", "none"])) == (None, None)
-    assert resolve_models(parse([])) == ("checkpoints/sudoku_small", "gemma3-270m")
+    assert resolve_models(parse([])) == ("checkpoints/sudoku_small", text)
     with pytest.raises(DGemmaError, match="pass one"):
         resolve_models(parse(["--checkpoint", str(tiny_run), "--sudoku-checkpoint", str(tiny_run)]))
     with pytest.raises(DGemmaError, match="no such workdir"):
