@@ -176,23 +176,34 @@ def test_activation_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("step", ["ddim", "commit"])
-def test_cached_sampler_equals_recomputing_the_prefix(step):
-    """The same seed through the KV cache and through single-shot forwards of [prefix | canvas]
-    gives the same tokens, canvas after canvas (fp64)."""
-    model = tiny(self_conditioning=True, time_conditioning=True).eval()
+def wake_conditioning(model):
+    """Random weights on the zero-initialised outputs of self- and time-conditioning, so that
+    both change the numbers (at init they are exact no-ops). Returns the model in eval mode."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "self_conditioning.mlp.down_proj" in name or "time_embedding.fc2" in name:
                 p.normal_(0, 0.3)
+    return model.eval()
+
+
+def cached_and_uncached(model, step: str, **sampler_args) -> dict:
+    """``{use_cache: SampleResult}`` of the same seeded 4-step, 3-canvas sampling of make_batch()."""
     noise = UniformNoise(V, LinearSchedule())
     b = make_batch()
     out = {}
     for use_cache in (True, False):
         kw = {"schedule": LinearSchedule()} if step == "commit" else {}
         sampler = CanvasSampler(noise=noise, step=build_step(step, noise=noise, **kw), num_steps=4, canvas_size=C,
-                                max_canvases=3, use_cache=use_cache)
+                                max_canvases=3, use_cache=use_cache, **sampler_args)
         out[use_cache] = sampler(model, b["prompt_ids"], b["prompt_valid"], generator=torch.Generator().manual_seed(0))
+    return out
+
+
+@pytest.mark.parametrize("step", ["ddim", "commit"])
+def test_cached_sampler_equals_recomputing_the_prefix(step):
+    """The same seed through the KV cache and through single-shot forwards of [prefix | canvas]
+    gives the same tokens, canvas after canvas (fp64)."""
+    out = cached_and_uncached(wake_conditioning(tiny(self_conditioning=True, time_conditioning=True)), step)
     assert out[True].tokens == out[False].tokens
     assert all(len(t) == 3 * C for t in out[True].tokens)  # no stop ids: three full canvases
     assert out[True].forward_passes == [1 + 3 * 4 + 2] * 2  # prefill, 3 x 4 steps, 2 re-encodes

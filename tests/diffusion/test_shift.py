@@ -16,7 +16,7 @@ from dgemma.errors import DGemmaError
 from dgemma.models.masks import TokenInfo
 from dgemma.training.checkpoint import check_compatible, model_fingerprint
 
-from tests.diffusion.test_objective import C, N, V, make_batch, tiny
+from tests.diffusion.test_objective import C, N, V, cached_and_uncached, make_batch, tiny, wake_conditioning
 
 
 def test_doctests():
@@ -75,19 +75,8 @@ def test_shifted_sampler_cached_equals_recomputing_the_prefix(step):
     """Through the KV cache (the state before a canvas from the prefill or the append) and through
     single-shot forwards: the same tokens, with rows stopping early and finishing at different
     canvases (fp64)."""
-    model = tiny(shift_logits=True, self_conditioning=True).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "self_conditioning.mlp.down_proj" in name:
-                p.normal_(0, 0.3)
-    noise = UniformNoise(V, LinearSchedule())
-    b = make_batch()
-    out = {}
-    for use_cache in (True, False):
-        kw = {"schedule": LinearSchedule()} if step == "commit" else {}
-        sampler = CanvasSampler(noise=noise, step=build_step(step, noise=noise, **kw), num_steps=4, canvas_size=C,
-                                max_canvases=3, use_cache=use_cache, stop_ids=(5, 6, 7), stop=EntropyStop(3.6))
-        out[use_cache] = sampler(model, b["prompt_ids"], b["prompt_valid"], generator=torch.Generator().manual_seed(0))
+    out = cached_and_uncached(wake_conditioning(tiny(shift_logits=True, self_conditioning=True)), step,
+                              stop_ids=(5, 6, 7), stop=EntropyStop(3.6))
     assert out[True].tokens == out[False].tokens
     assert out[True].steps_used == out[False].steps_used
     assert len(out[True].tokens[0]) != len(out[True].tokens[1])  # the rows finish at different canvases
