@@ -40,16 +40,12 @@ def tiny_run(tmp_path_factory) -> Path:
     return train_tiny_sudoku(tmp_path_factory.mktemp("serve") / "tiny_sudoku")
 
 
-def write_tiny_text_model(folder: Path) -> Path:
-    """An untrained 2-layer Gemma 3 (width 32, 128 positions) with a byte-level BPE tokenizer that
-    has Gemma's special tokens, saved as a Hugging Face folder: any text round-trips and the chat
-    template applies, so a server or the harness treats it as a small pretrained model. Its
-    samples are noise over the 320-token vocabulary, EOS now and then."""
+def tiny_bpe(texts: list[str]):
+    """A byte-level BPE (300 tokens) with Gemma's special tokens, trained on ``texts`` x 5, as
+    dgemma's Tokenizer: any text round-trips and the chat template applies."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
     from dgemma.data.tokenizers import Tokenizer
-    from dgemma.models.transformer import DiffusionGemma, ModelConfig
-    from dgemma.models.weights import save_hf
 
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -57,12 +53,24 @@ def write_tiny_text_model(folder: Path) -> Path:
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(["The capital of France is Paris.", "12345 67890 3.14159", "hello world"] * 5, trainer)
+    backend.train_from_iterator(list(texts) * 5, trainer)
+    return Tokenizer(backend)
+
+
+def write_tiny_text_model(folder: Path) -> Path:
+    """An untrained 2-layer Gemma 3 (width 32, 128 positions) with a byte-level BPE tokenizer that
+    has Gemma's special tokens, saved as a Hugging Face folder: any text round-trips and the chat
+    template applies, so a server or the harness treats it as a small pretrained model. Its
+    samples are noise over the 320-token vocabulary, EOS now and then."""
+    from dgemma.models.transformer import DiffusionGemma, ModelConfig
+    from dgemma.models.weights import save_hf
+
+    tokenizer = tiny_bpe(["The capital of France is Paris.", "12345 67890 3.14159", "hello world"])
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=128,
                       layer_types=["sliding_attention", "full_attention"])
-    return save_hf(DiffusionGemma(cfg).eval(), Tokenizer(backend), folder)
+    return save_hf(DiffusionGemma(cfg).eval(), tokenizer, folder)
 
 
 @pytest.fixture(scope="session")

@@ -39,16 +39,9 @@ CONV = [{"role": "system", "content": SYS}, {"role": "user", "content": U1}, {"r
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     """A byte-level BPE with Gemma's special tokens: the real Tokenizer, so render_chat is Gemma's."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from tests.conftest import tiny_bpe
 
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(["What is 2 + 2? The answer is 4.", "hello world"] * 5, trainer)
-    return Tokenizer(backend)
+    return tiny_bpe(["What is 2 + 2? The answer is 4.", "hello world"])
 
 
 def write_lines(path, lines) -> str:

@@ -26,16 +26,9 @@ TINY = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_lay
 # ------------------------------------------------------------------------------------ fixtures
 def tiny_tokenizer() -> Tokenizer:
     """A byte-level BPE with Gemma's special tokens: any text round-trips."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from tests.conftest import tiny_bpe
 
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(["The capital of France is Paris.", "12345 67890 3.14159", "hello world"] * 5, trainer)
-    return Tokenizer(backend)
+    return tiny_bpe(["The capital of France is Paris.", "12345 67890 3.14159", "hello world"])
 
 
 def randomize(model: torch.nn.Module) -> None:
