@@ -24,9 +24,9 @@ _LAZY = {
 def load_pretrained(source, *, dtype=None, **overrides):
     """Load ``(model, tokenizer)`` from a HF Gemma 3 folder, a ``.gguf`` file or ``"gemma3-270m"``.
 
-    See :func:`dgemma.models.weights.load_pretrained`.
+    See :func:`dgemma.models.pretrained.load_pretrained`.
     """
-    from dgemma.models.weights import load_pretrained as _load
+    from dgemma.models.pretrained import load_pretrained as _load
 
     return _load(source, dtype=dtype, **overrides)
 

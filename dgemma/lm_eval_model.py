@@ -100,7 +100,7 @@ class DGemmaLM(TemplateLM):
         self.source = run or pretrained
         self.cfg = None
         if run is not None:
-            from dgemma.eval.harness import max_canvases
+            from dgemma.sampling import max_canvases
             from dgemma.training.runs import load_run
 
             r = load_run(run, step=step, device=self.device_, dtype=dtype)
@@ -252,7 +252,8 @@ class DGemmaLM(TemplateLM):
     def _hints(self, contexts: list[str], width: int) -> torch.Tensor | None:
         if not self.pin_clues:
             return None
-        from dgemma.data.sudoku import parse_puzzle, puzzle_hint
+        from dgemma.data.sudoku import parse_puzzle
+        from dgemma.tasks.sudoku import puzzle_hint
 
         rows = []
         for text in contexts:

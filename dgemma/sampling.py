@@ -45,6 +45,11 @@ class SamplerConfig:
                 f"early stopping {self.early_stopping}, <= {self.max_canvases} canvases")
 
 
+def max_canvases(cfg) -> int:
+    """``aux.num_canvases`` if set, else ``eval_ds.max_canvases``, else the data's ``num_canvases``."""
+    return cfg.aux.num_canvases or cfg.eval_ds.max_canvases or cfg.diffusion.num_canvases
+
+
 def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tuple[int, ...]):
     """The :class:`~dgemma.diffusion.sampler.CanvasSampler` that ``cfg`` describes (all fields set)."""
     from dgemma.diffusion.sampler import CanvasSampler
@@ -98,7 +103,7 @@ class Model:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        from dgemma.eval.tasks import response_stop_ids
+        from dgemma.tasks import response_stop_ids
 
         return response_stop_ids(self.tokenizer)
 
@@ -110,7 +115,7 @@ class Model:
                  seed: int = 0) -> list[Output]:
         """Sample every prompt (strings, or records ``{"prompt", "system"?}`` rendered in the chat
         format); one generator seeded by ``seed`` draws for all of them, batch after batch."""
-        from dgemma.eval.harness import encode_prompts  # harness imports this module
+        from dgemma.data.sft import encode_prompts
 
         records = [{"prompt": p} if isinstance(p, str) else p for p in prompts]
         sampler = build_sampler(self.settings(settings), noise=self.noise, canvas_size=self.canvas_size,
@@ -135,7 +140,6 @@ def load_model(source: str | Path, *, pretrained: bool = False, dtype: str = "au
 
     device = torch.device(device) if device else default_device()
     if not pretrained:
-        from dgemma.eval.harness import max_canvases
         from dgemma.training.runs import load_run
 
         run = load_run(source, dtype=dtype, device=device)
@@ -147,7 +151,7 @@ def load_model(source: str | Path, *, pretrained: bool = False, dtype: str = "au
                      defaults, trained=True, source=str(source))
     from dgemma.diffusion.corruption import UniformNoise
     from dgemma.diffusion.schedules import get_schedule
-    from dgemma.models.weights import load_pretrained
+    from dgemma.models.pretrained import load_pretrained
 
     model, tokenizer = load_pretrained(str(source))
     if tokenizer is None:

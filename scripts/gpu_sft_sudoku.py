@@ -34,7 +34,7 @@ def main() -> int:
         print("no CUDA device: run on a GPU machine, or pass --smoke for a CPU dry run")
         return 2
 
-    from dgemma.data.sudoku import write_splits
+    from dgemma.tasks.sudoku import write_splits
     from dgemma.eval.harness import Evaluator, run_evaluators
     from dgemma.training.config import apply_overrides, load_config
     from dgemma.training.runs import load_run

@@ -419,8 +419,10 @@ def _hints_kw(pins) -> dict:
 
 def _bench_sudoku(ctx: Context, result: dict, budget: Budget, sz: dict, run=None) -> list[dict]:
     """The trained Sudoku model: speed and accuracy per sampler setting, AR and generate baselines."""
-    from dgemma.eval.harness import build_sampler, encode_prompts
-    from dgemma.eval.tasks import generate_eval_puzzles, get_task
+    from dgemma.data.sft import encode_prompts
+    from dgemma.eval.harness import build_sampler
+    from dgemma.tasks import get_task
+    from dgemma.tasks.sudoku import generate_eval_puzzles
 
     if run is None:
         run, why = fixtures.sudoku_run(ctx)

@@ -57,7 +57,7 @@ def _seeded_model(cfg: ModelConfig, seed: int = 0) -> DiffusionGemma:
 def weights_available(ctx: Context) -> str | None:
     """None when the 270M can be loaded here, else why not. With ``ctx.allow_convert`` False (the
     GPU script) a missing cache is not built: the conversion alone would take most of its budget."""
-    from dgemma.models.weights import GEMMA3_270M, cache_root
+    from dgemma.models.pretrained import GEMMA3_270M, cache_root
 
     if (cache_root() / GEMMA3_270M / "dgemma_cache.json").is_file():
         return None
@@ -80,7 +80,7 @@ def load_270m(ctx: Context, *, dtype=torch.float32, self_conditioning: bool = Fa
     if key in ctx.cache:
         return ctx.cache[key]
     from dgemma.errors import DGemmaError
-    from dgemma.models.weights import load_pretrained
+    from dgemma.models.pretrained import load_pretrained
 
     try:
         if (why := weights_available(ctx)) is not None:
@@ -112,7 +112,7 @@ def hf_twin(ctx: Context, model: DiffusionGemma, source: str, *, dtype=torch.flo
         ctx.cache[ck] = None
         return None
     if source == "gemma3-270m":
-        from dgemma.models.weights import prepare_gemma3_270m
+        from dgemma.models.pretrained import prepare_gemma3_270m
 
         folder = prepare_gemma3_270m()
         hf = Gemma3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")

@@ -71,7 +71,7 @@ def _dgemma_model(ctx: Context, tiny_model=None):
         model, tok, source = copy.deepcopy(tiny_model), None, "tiny-random"
     else:
         from dgemma.errors import DGemmaError
-        from dgemma.models.weights import load_pretrained
+        from dgemma.models.pretrained import load_pretrained
 
         try:
             if (why := fixtures.weights_available(ctx)) is not None:
@@ -94,7 +94,7 @@ def _hf_model(ctx: Context, dgemma_model, source: str):
     from dgemma.training.lora import DECODER_LINEARS, merge_lora
 
     if source == "gemma3-270m":
-        from dgemma.models.weights import prepare_gemma3_270m
+        from dgemma.models.pretrained import prepare_gemma3_270m
 
         hf = Gemma3ForCausalLM.from_pretrained(prepare_gemma3_270m(), dtype=torch.float32, attn_implementation="sdpa")
     else:  # the same random base: export a LoRA-free copy of ours

@@ -84,7 +84,7 @@ def table(results: list[dict], primary: tuple[str, ...]) -> str:
 
 def run(argv: list[str]) -> int:
     from dgemma.eval.harness import AR_MAX_TOKENS, default_evaluators, parse_evaluator, run_evaluators
-    from dgemma.eval.tasks import get_task
+    from dgemma.tasks import get_task
     from dgemma.training.runs import load_run
 
     args, overrides = parse(argv)

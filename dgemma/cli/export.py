@@ -29,7 +29,7 @@ def adapter_base_path(base: str | None) -> str | None:
     """
     if base is None:
         return None
-    from dgemma.models.weights import GEMMA3_270M, prepare_gemma3_270m
+    from dgemma.models.pretrained import GEMMA3_270M, prepare_gemma3_270m
 
     if base == GEMMA3_270M:
         return str(prepare_gemma3_270m())

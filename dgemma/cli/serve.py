@@ -60,7 +60,7 @@ def _none(value: str | None) -> str | None:
 
 def resolve_models(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """``(sudoku source, text source)`` from the flags; ``--checkpoint`` goes where its task says."""
-    from dgemma.serve.app import is_run
+    from dgemma.serve.engine import is_run
 
     sudoku, text = args.sudoku_checkpoint, args.text_model
     if args.checkpoint:
@@ -118,7 +118,8 @@ def run(argv: list[str]) -> int:
     try:
         import uvicorn
 
-        from dgemma.serve.app import Limits, create_app, is_run, stop_all_jobs
+        from dgemma.serve.app import create_app
+        from dgemma.serve.engine import Limits, is_run, stop_all_jobs
     except ImportError as e:
         raise DGemmaError(f"dgemma serve needs fastapi and uvicorn ({e}): pip install fastapi uvicorn") from None
 

@@ -59,9 +59,11 @@ def solve(puzzles: list[str], run, *, steps: int, step_type: str, seed: int, bat
     """Sample a solution for each puzzle; returns dicts with the grid and its checks."""
     import torch
 
-    from dgemma.data.sudoku import SYSTEM_PROMPT, extract_digits, format_prompt, is_valid_grid, puzzle_hint
-    from dgemma.eval.harness import build_sampler, encode_prompts
-    from dgemma.eval.tasks import get_task
+    from dgemma.data.sudoku import is_valid_grid
+    from dgemma.data.sft import encode_prompts
+    from dgemma.eval.harness import build_sampler
+    from dgemma.tasks import get_task
+    from dgemma.tasks.sudoku import SYSTEM_PROMPT, extract_digits, format_prompt, puzzle_hint
 
     task = get_task("sudoku")
     sampler, _ = build_sampler(run, task, num_steps=steps, step_type=step_type, temperature=0.0,

@@ -16,7 +16,7 @@ from dgemma.errors import DGemmaError
 def eval_hook(trainer, step: int) -> dict:
     """Evaluate the model being trained (rank 0 of a single process or DDP run)."""
     from dgemma.eval.harness import default_evaluators, parse_evaluator, run_evaluators
-    from dgemma.eval.tasks import get_task
+    from dgemma.tasks import get_task
     from dgemma.training.runs import Run
 
     cfg = trainer.cfg

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from dgemma.data.sft import DataOrder
 from dgemma.errors import DGemmaError
+from dgemma.models.pretrained import resolve
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<mask>")
@@ -298,11 +299,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 50257, *, out_pa
 
 def _tokenizer_file(spec: str | Path) -> Path:
     """``tokenizer.json`` of a name (``gemma3-270m``), a folder or the file itself."""
-    if str(spec) == "gemma3-270m":
-        from dgemma.models.weights import prepare_gemma3_270m
-
-        return Path(prepare_gemma3_270m()) / "tokenizer.json"
-    path = Path(spec).expanduser()
+    path = Path(resolve(spec)).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():

@@ -59,6 +59,19 @@ def encode_prompt(tokenizer, record: dict, prompt_len: int) -> tuple[list[int], 
     return encode_prompt_text(tokenizer, render_prompt(tokenizer, record), prompt_len)
 
 
+def encode_prompts(tokenizer, records: list[dict], prompt_len: int, *, pad_to: int | None = None,
+                   device=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Right-padded ``(ids, valid, n_truncated)``: padded to the longest prompt, or ``pad_to``."""
+    enc = [encode_prompt(tokenizer, r, prompt_len) for r in records]
+    width = pad_to or max(len(ids) for ids, _ in enc)
+    ids = torch.full((len(enc), width), tokenizer.pad_id, dtype=torch.long)
+    valid = torch.zeros(len(enc), width, dtype=torch.bool)
+    for i, (row, _) in enumerate(enc):
+        ids[i, : len(row)] = torch.tensor(row)
+        valid[i, : len(row)] = True
+    return ids.to(device), valid.to(device), sum(t for _, t in enc)
+
+
 def encode_example(tokenizer, record: dict, *, prompt_len: int, num_canvases: int, canvas_size: int,
                    hint_fn=None) -> Example:
     """``hint_fn(record, response_ids) -> list[int] | None`` pins known response tokens (``-1`` = free)."""

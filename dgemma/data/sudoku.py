@@ -1,16 +1,15 @@
-"""Sudoku data: grid checks, a bitmask solver, a unique-puzzle generator, Kaggle CSVs, prompts.
+"""The Sudoku board library: grid checks, a bitmask solver, a unique-puzzle generator, Kaggle CSVs.
 
 Grids and puzzles are 81-character strings in row-major order, ``"0"`` for a blank (docs/design.md §5).
 Everything here is pure Python (plus numpy only for seeding), so it runs anywhere the tests do.
+The task built on it (prompts, preparation, scoring) is :mod:`dgemma.tasks.sudoku`.
 """
 
 from __future__ import annotations
 
 import csv as _csv
-import json
 import logging
 import random
-import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,9 +19,6 @@ from dgemma.errors import DGemmaError
 
 log = logging.getLogger(__name__)
 
-SYSTEM_PROMPT = (
-    "Solve the following Sudoku puzzle. Empty cells are represented by 0. Output ONLY the solved puzzle"
-)
 DIFFICULTIES = ("easy", "medium", "hard")
 DIFFICULTY_CLUES = {"easy": (40, 50), "medium": (30, 39), "hard": (22, 29)}
 """Clue ranges the generator draws targets from; the buckets themselves are :func:`difficulty`."""
@@ -41,7 +37,6 @@ _UNITS = (
     + [("column", c, [r * 9 + c for r in range(9)]) for c in range(9)]
     + [("box", b, [i for i in range(81) if _BOX[i] == b]) for b in range(9)]
 )
-_ANSWER_MARK = re.compile(r"the answer is", re.IGNORECASE)
 
 
 class Puzzle(NamedTuple):
@@ -415,35 +410,6 @@ def parse_solution(s: str) -> str:
     return g
 
 
-def format_prompt(puzzle: str) -> str:
-    """The user turn of docs/design.md §5: the puzzle as 81 space-separated digits (0 for a blank)."""
-    return " ".join(parse_puzzle(puzzle))
-
-
-def format_response(solution: str) -> str:
-    """The target of docs/design.md §5: the solution as 81 space-separated digits; must be a valid grid."""
-    return " ".join(parse_solution(solution))
-
-
-def extract_digits(text: str) -> str | None:
-    """The model's 81 answer digits from decoded text, or None.
-
-    If the text says "the answer is" (any case), the first 81 digits after its last occurrence
-    are the answer, and fewer than 81 there gives None: an announced answer that is incomplete is
-    wrong, and taking digits from before the announcement would grade the working, not the
-    answer. Otherwise the last 81 digits of the text (trailing digits are where a model that
-    reasons first puts its grid).
-    """
-    if not isinstance(text, str):
-        return None
-    marks = list(_ANSWER_MARK.finditer(text))
-    if marks:
-        digits = [ch for ch in text[marks[-1].end():] if "0" <= ch <= "9"]
-        return "".join(digits[:81]) if len(digits) >= 81 else None
-    digits = [ch for ch in text if "0" <= ch <= "9"]
-    return "".join(digits[-81:]) if len(digits) >= 81 else None
-
-
 def _read_header(path: Path, header: list[str]) -> tuple[int, int]:
     names = [h.strip().lower() for h in header]
     for p_name, s_name in zip(PUZZLE_COLUMNS, SOLUTION_COLUMNS):
@@ -519,102 +485,3 @@ def read_csv(path) -> CsvData:
     return CsvData(rows, warnings, skipped)
 
 
-def make_record(id: str, puzzle: str, solution: str) -> dict:
-    """The JSONL record of one puzzle: ids, the strings, clue count, bucket and the chat texts."""
-    clues = count_clues(puzzle)
-    return {
-        "id": id,
-        "puzzle": puzzle,
-        "solution": solution,
-        "clues": clues,
-        "difficulty": difficulty(clues),
-        "system": SYSTEM_PROMPT,
-        "prompt": format_prompt(puzzle),
-        "response": format_response(solution),
-    }
-
-
-def _write_jsonl(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    tmp.replace(path)
-
-
-def split_sizes(n: int) -> tuple[int, int]:
-    """90/10 split sizes: ``ceil(0.9 n)`` train, the rest eval (100 -> 90/10, 20 -> 18/2)."""
-    n_train = (9 * n + 9) // 10
-    return n_train, n - n_train
-
-
-def write_splits(out_dir, *, csv=None, n: int | None = None, seed: int = 0, difficulty: str = "mixed") -> dict:
-    """Write ``train.jsonl``, ``eval.jsonl`` (90/10 in file order) and ``meta.json``; return the meta.
-
-    Source: a Kaggle CSV (``csv=``; ``difficulty`` other than ``'mixed'`` keeps only that bucket)
-    or the generator (``n=`` unique puzzles, ``seed``, ``difficulty``). Exactly one is required.
-    """
-    if (csv is None) == (n is None):
-        raise DGemmaError("sudoku write_splits: give exactly one of csv=FILE or n=COUNT")
-    if difficulty not in (*DIFFICULTIES, "mixed"):
-        raise DGemmaError(f"difficulty must be one of easy, medium, hard, mixed; got {difficulty!r}")
-    warnings: list[str] = []
-    skipped: list[int] = []
-    if csv is not None:
-        data = read_csv(csv)
-        warnings, skipped = data.warnings, data.skipped
-        kept = [r for r in data.rows if difficulty == "mixed" or _bucket(count_clues(r.puzzle)) == difficulty]
-        if not kept:
-            raise DGemmaError(
-                f"{csv}: no usable rows (difficulty={difficulty}, {len(data.rows)} valid, {len(skipped)} malformed)"
-            )
-        records = [make_record(f"row{r.row}", r.puzzle, r.solution) for r in kept]
-        source = f"csv:{Path(csv).resolve()}"
-    else:
-        recs = generate_puzzles(n, seed=seed, difficulty=difficulty)
-        records = [make_record(f"gen-s{seed}-{k:06d}", r["puzzle"], r["solution"]) for k, r in enumerate(recs)]
-        source = "generator"
-    n_train, _ = split_sizes(len(records))
-    splits = {"train": records[:n_train], "eval": records[n_train:]}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, recs in splits.items():
-        _write_jsonl(out / f"{name}.jsonl", recs)
-    meta = {
-        "task": "sudoku",
-        "source": source,
-        "seed": seed if csv is None else None,
-        "difficulty": difficulty,
-        "counts": {name: len(recs) for name, recs in splits.items()},
-        "difficulty_counts": {
-            name: {b: sum(r["difficulty"] == b for r in recs) for b in DIFFICULTIES} for name, recs in splits.items()
-        },
-        "skipped_rows": skipped,
-        "warnings": warnings[:1000],
-        "system": SYSTEM_PROMPT,
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    return meta
-
-
-def puzzle_hint(puzzle: str, tokenizer) -> list[int]:
-    """The clue tokens of ``puzzle`` at their cells, ``-1`` at blanks (needs one token per cell)."""
-    ids = tokenizer.encode(puzzle)
-    if len(ids) != 81:
-        raise DGemmaError("pinning Sudoku clues needs one token per cell (data.tokenizer='digits'); this "
-                          f"tokenizer maps the 81 cells to {len(ids)} tokens")
-    return [tok if puzzle[i] != "0" else -1 for i, tok in enumerate(ids)]
-
-
-def clue_hint(record: dict, response_ids: list[int], tokenizer) -> list[int]:
-    """Pin the clues of ``record["puzzle"]`` in the solution canvas (infilling): token ids where
-    the puzzle has a digit, ``-1`` at blanks.
-
-    Needs one token per cell, in order (the ``digits`` tokenizer); a tokenizer that merges or
-    splits digits cannot say which canvas position holds which cell, so it is refused.
-    """
-    puzzle, solution = record["puzzle"], record["solution"]
-    if len(response_ids) < 81 or tokenizer.decode(response_ids[:81]) != solution:
-        raise DGemmaError("pinning Sudoku clues needs one token per cell (data.tokenizer='digits'); "
-                          "this tokenizer does not map the 81 solution digits to 81 tokens")
-    return puzzle_hint(puzzle, tokenizer)

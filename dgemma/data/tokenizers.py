@@ -197,12 +197,11 @@ class Tokenizer:
 
 
 def load_tokenizer(source: str | Path) -> Tokenizer:
-    """A tokenizer by name (``"gemma3-270m"``: from the converted cache), folder or ``tokenizer.json``."""
-    if str(source) == "gemma3-270m":
-        from dgemma.models.weights import prepare_gemma3_270m
-
-        return Tokenizer.from_dir(prepare_gemma3_270m())
+    """A tokenizer from a folder holding ``tokenizer.json`` or the file itself. Names of
+    pretrained models (``"gemma3-270m"``) are resolved to their folders one layer up
+    (``dgemma/models/pretrained.py:resolve``): this module imports nothing from ``dgemma.models``."""
     path = Path(source).expanduser()
     if not path.exists():
-        raise DGemmaError(f"no tokenizer at {path}: give 'gemma3-270m', a folder with tokenizer.json, or the file")
+        raise DGemmaError(f"no tokenizer at {path}: give a folder with tokenizer.json or the file "
+                          f"(for 'gemma3-270m', pass dgemma.models.pretrained.resolve('gemma3-270m'))")
     return Tokenizer.from_file(path)

@@ -1,6 +1,4 @@
-"""Task metrics computed on the host from decoded text (import-light: no torch here)."""
-
-from dgemma.eval.pubmedqa import extract_decision, pubmedqa_metrics
-from dgemma.eval.sudoku import score_sudoku, sudoku_metrics
-
-__all__ = ["extract_decision", "pubmedqa_metrics", "score_sudoku", "sudoku_metrics"]
+"""Evaluation: the harness that samples a run on a task's records and writes metrics
+(:mod:`dgemma.eval.harness`), the generic text metrics (:mod:`dgemma.eval.generic`), Lite's
+language-model evaluation, verified Sudoku solving and the denoising visualiser. Each task's own
+scoring lives with the task (:mod:`dgemma.tasks`)."""

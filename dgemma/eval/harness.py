@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
-from dgemma.data.sft import encode_prompt
+from dgemma.data.sft import encode_prompts
 from dgemma.errors import DGemmaError
-from dgemma.eval.tasks import get_task
-from dgemma.sampling import SamplerConfig, build_sampler as build
+from dgemma.tasks import get_task
+from dgemma.sampling import SamplerConfig, build_sampler as build, max_canvases
 
 EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?sample_ar_steps(?P<steps>\d+)(?P<es>_early_stopping)?$")
 AR_EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?ar_greedy$")
@@ -101,11 +101,6 @@ def _params(obj) -> dict:
     return out
 
 
-def max_canvases(cfg) -> int:
-    """``aux.num_canvases`` if set, else ``eval_ds.max_canvases``, else the data's ``num_canvases``."""
-    return cfg.aux.num_canvases or cfg.eval_ds.max_canvases or cfg.diffusion.num_canvases
-
-
 def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: float,
                   early_stopping: str | None) -> tuple[CanvasSampler, dict]:
     """The run's sampler (``dgemma/sampling.py:build_sampler``) and the settings that describe it."""
@@ -129,25 +124,10 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
     return sampler, settings
 
 
-def encode_prompts(tokenizer, records: list[dict], prompt_len: int, *, pad_to: int | None = None,
-                   device=None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Right-padded ``(ids, valid, n_truncated)``: padded to the longest prompt, or ``pad_to``."""
-    enc = [encode_prompt(tokenizer, r, prompt_len) for r in records]
-    width = pad_to or max(len(ids) for ids, _ in enc)
-    ids = torch.full((len(enc), width), tokenizer.pad_id, dtype=torch.long)
-    valid = torch.zeros(len(enc), width, dtype=torch.bool)
-    for i, (row, _) in enumerate(enc):
-        ids[i, : len(row)] = torch.tensor(row)
-        valid[i, : len(row)] = True
-    return ids.to(device), valid.to(device), sum(t for _, t in enc)
-
-
 def clue_hints(run, records: list[dict], width: int) -> torch.Tensor | None:
     """``[B, width]`` pinned response tokens (``-1`` = free) when the run trained with them
     (``data.pin_clues``: Sudoku clues), else None."""
-    from dgemma.data.build import hint_fn
-
-    fn = hint_fn(run.cfg, run.tokenizer)
+    fn = get_task(run.cfg.data.task).hints(run.cfg, run.tokenizer)
     if fn is None:
         return None
     tok, rows = run.tokenizer, []

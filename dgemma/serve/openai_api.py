@@ -54,8 +54,8 @@ from starlette.concurrency import run_in_threadpool
 
 from dgemma.diffusion.wrappers import emitted_canvases
 from dgemma.errors import DGemmaError
-from dgemma.serve.app import (Cancelled, Engine, Plan, SampleParams, ServeError, _validation_message, load_engine,
-                              make_plan, openai_error, run_job, run_sampler, start_job, stream_job, sudoku_hints)
+from dgemma.serve.engine import (Cancelled, Engine, Plan, SampleParams, ServeError, _validation_message, load_engine,
+                                 make_plan, openai_error, run_job, run_sampler, start_job, stream_job, sudoku_hints)
 
 __all__ = ["CompletionRequest", "ChatRequest", "Choices", "served_models", "render_messages", "build_plan",
            "sample_work", "encode_event", "refuse_unsupported", "validation_error"]

@@ -164,14 +164,15 @@ def build_tokenizer(cfg: Config):
     if spec in ALPHABETS:
         return CharTokenizer.named(spec)
     from dgemma.data.tokenizers import load_tokenizer
+    from dgemma.models.pretrained import resolve
 
-    return load_tokenizer(spec)
+    return load_tokenizer(resolve(spec))
 
 
 def build_model(cfg: Config):
     """``(model, tokenizer)`` from ``cfg.init.base`` (pretrained) or ``cfg.model`` (random init)."""
     if cfg.init.base:
-        from dgemma.models.weights import load_pretrained
+        from dgemma.models.pretrained import load_pretrained
 
         model, tokenizer = load_pretrained(cfg.init.base, dtype=torch.float32, **model_overrides(cfg))
         if tokenizer is None or cfg.data.tokenizer is not None:  # a base without tokenizer.json, or a chosen one
@@ -210,9 +211,10 @@ def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
 
 
 def build_train_data(cfg: Config, tokenizer):
-    from dgemma.data.build import build_train_data as build
+    """The task's training set (``dgemma/tasks/base.py:Task.train_data``)."""
+    from dgemma.tasks import get_task
 
-    return build(cfg, tokenizer)
+    return get_task(cfg.data.task).train_data(cfg, tokenizer)
 
 
 # ------------------------------------------------------------------------------- memory

@@ -1,4 +1,4 @@
-"""Reverse a word: a tiny diffusion model trained from scratch on CPU, with the ``completion`` task.
+"""Reverse a word: a tiny diffusion model trained from scratch on CPU, on the ``reverse`` task.
 
 The prompt ``reverse: hello`` is prefilled by the causal encoder into the KV cache; the answer
 ``olleh`` (plus end-of-turn, then EOS padding) is denoised as one canvas of 8 tokens. Characters
@@ -6,7 +6,7 @@ are tokens (the ``lower`` alphabet: a-z and ``:``; spaces are skipped). Absorbin
 with the loss on masked positions, as for the from-scratch Sudoku model: uniform noise needs far
 more compute when nothing is pretrained. See docs/guides/new-task.md.
 
-    python examples/reverse/make_data.py --out data/reverse
+    dgemma prepare reverse --out data/reverse
     dgemma train --cfg=examples/reverse/config.py --cfg.workdir=runs/reverse
     dgemma eval --cfg.workdir=runs/reverse
 """
@@ -29,7 +29,7 @@ def get_config() -> Config:
         init=InitConfig(base=None, seed=0),
         diffusion=DiffusionConfig(process="absorbing", schedule="linear", t_eps=1e-3, canvas_size=8, num_canvases=1,
                                   selfcond_prob=0.0, ar_loss_weight=0.0, loss_on="noised"),
-        data=DataConfig(task="completion", path="data/reverse/train.jsonl", tokenizer="lower", prompt_len=16,
+        data=DataConfig(task="reverse", path="data/reverse", tokenizer="lower", prompt_len=16,
                         batch_size=64, seed=0),
         optim=OptimConfig(name="adamw", lr=2e-3, min_lr_ratio=0.1, warmup_steps=50, betas=(0.9, 0.98),
                           weight_decay=0.01, clip_norm=1.0),

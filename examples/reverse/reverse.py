@@ -1,44 +1,28 @@
 #!/usr/bin/env python3
-"""Reverse words with a trained run, from Python: open the checkpoint, build a sampler, decode.
+"""Reverse words with a trained run, from Python: the public API and the task's own pieces.
 
     python examples/reverse/reverse.py --workdir runs/reverse hello world
 
-prints one line per word: the word, the model's answer and whether it is right. This is what
-``dgemma eval`` does for every eval record, written out with the library's own pieces so it can
-be copied into other code: ``load_run`` (config + latest complete checkpoint), the run's noise
-process, a denoising step, ``CanvasSampler`` and the tokenizer.
+prints one line per word: the word, the model's answer and whether it is right.
+``dgemma.load_model`` opens the run's latest checkpoint with its eval settings as defaults; the
+task builds the prompt exactly as training did (``dgemma/tasks/reverse.py:prompt_record``) and
+reads the answer back (``dgemma/tasks/reverse.py:extract``).
 """
 
 from __future__ import annotations
 
 import argparse
 
-import torch
-
-from dgemma.data.chat import encode_prompt_text
-from dgemma.diffusion.sampler import CanvasSampler
-from dgemma.diffusion.steps import build_step
-from dgemma.training.runs import load_run
-
-PROMPT = "reverse: {word}"  # the prompt format of make_data.py: the model only knows this one
+import dgemma
+from dgemma.tasks.reverse import extract, prompt_record
 
 
-def reverse_words(workdir: str, words: list[str], *, steps: int = 8, seed: int = 0) -> list[str]:
-    """The run's answers for ``words`` (greedy ``commit`` sampling, ``steps`` denoising steps)."""
-    run = load_run(workdir, device="cpu")
-    cfg, tok = run.cfg, run.tokenizer
-    prompts = [encode_prompt_text(tok, PROMPT.format(word=w), cfg.data.prompt_len)[0] for w in words]
-    width = max(map(len, prompts))
-    ids = torch.full((len(words), width), tok.pad_id, dtype=torch.long)  # right padded
-    valid = torch.zeros(len(words), width, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)], valid[i, : len(p)] = torch.tensor(p), True
-    noise = run.noise()
-    sampler = CanvasSampler(noise=noise, step=build_step("commit", noise=noise, temperature=0.0), num_steps=steps,
-                            canvas_size=cfg.diffusion.canvas_size, max_canvases=cfg.diffusion.num_canvases,
-                            stop_ids=(tok.eos_id, tok.end_of_turn_id), temperature=1.0)
-    result = sampler(run.model, ids, valid, generator=torch.Generator().manual_seed(seed))
-    return [tok.decode(t) for t in result.tokens]
+def reverse_words(workdir: str, words: list[str], *, steps: int = 8, seed: int = 0) -> list[str | None]:
+    """The run's answers for ``words`` (the run's sampler, ``steps`` denoising steps, greedy)."""
+    model = dgemma.load_model(workdir, device="cpu")
+    outputs = model.generate([prompt_record(w) for w in words], dgemma.SamplerConfig(num_steps=steps),
+                             batch_size=len(words), seed=seed)
+    return [extract(o.text) for o in outputs]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ TINY = ["--cfg.init.base=null", "--cfg.lora.enabled=false", "--cfg.model.vocab_s
 
 @pytest.fixture(scope="module")
 def gemma_tokenizer():
-    from dgemma.models.weights import prepare_gemma3_270m
+    from dgemma.models.pretrained import prepare_gemma3_270m
 
     return str(prepare_gemma3_270m())  # the cache folder holds tokenizer.json (built once, ~100 s)
 

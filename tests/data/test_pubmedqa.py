@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from dgemma.cli.main import main
-from dgemma.data import pubmedqa as P
+from dgemma.tasks import pubmedqa as P
 from dgemma.errors import DGemmaError
 
 REAL = Path(__file__).resolve().parents[3] / "shared" / "data" / "pubmedqa"

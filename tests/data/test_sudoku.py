@@ -6,6 +6,7 @@ import pytest
 
 from dgemma.cli.main import main
 from dgemma.data import sudoku as S
+from dgemma.tasks import sudoku as T
 from dgemma.errors import DGemmaError
 
 PUZZLE = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
@@ -120,25 +121,25 @@ def test_parse_puzzle():
 
 
 def test_prompt_and_response_format():
-    assert S.SYSTEM_PROMPT == (
+    assert T.SYSTEM_PROMPT == (
         "Solve the following Sudoku puzzle. Empty cells are represented by 0. Output ONLY the solved puzzle"
     )
-    prompt = S.format_prompt(PUZZLE)
+    prompt = T.format_prompt(PUZZLE)
     assert prompt.split(" ") == list(PUZZLE) and prompt.startswith("5 3 0 0 7")
-    assert S.format_response(SOLUTION) == " ".join(SOLUTION)
+    assert T.format_response(SOLUTION) == " ".join(SOLUTION)
     with pytest.raises(DGemmaError, match="not a valid completed grid"):
-        S.format_response(PUZZLE)
+        T.format_response(PUZZLE)
 
 
 def test_extract_digits():
-    assert S.extract_digits(" ".join(SOLUTION)) == SOLUTION
-    assert S.extract_digits("Step 1 of 3: thinking\n" + SOLUTION + "\n") == SOLUTION
-    assert S.extract_digits(PUZZLE + " so The Answer Is: " + SOLUTION + " (took 12 steps)") == SOLUTION
-    assert S.extract_digits(SOLUTION + " the answer is 12") is None
-    assert S.extract_digits(SOLUTION[:80]) is None
-    assert S.extract_digits("") is None
-    assert S.extract_digits(None) is None
-    assert S.extract_digits("9" + SOLUTION) == SOLUTION
+    assert T.extract_digits(" ".join(SOLUTION)) == SOLUTION
+    assert T.extract_digits("Step 1 of 3: thinking\n" + SOLUTION + "\n") == SOLUTION
+    assert T.extract_digits(PUZZLE + " so The Answer Is: " + SOLUTION + " (took 12 steps)") == SOLUTION
+    assert T.extract_digits(SOLUTION + " the answer is 12") is None
+    assert T.extract_digits(SOLUTION[:80]) is None
+    assert T.extract_digits("") is None
+    assert T.extract_digits(None) is None
+    assert T.extract_digits("9" + SOLUTION) == SOLUTION
 
 
 def _write(path, lines):
@@ -197,7 +198,7 @@ def _jsonl(path):
 
 def test_write_splits_from_csv(tmp_path):
     lines = ["puzzle,solution"] + [f"{PUZZLE},{SOLUTION}"] * 19 + [f"{PUZZLE[:80]},{SOLUTION}"]
-    meta = S.write_splits(tmp_path / "out", csv=_write(tmp_path / "s.csv", lines))
+    meta = T.write_splits(tmp_path / "out", csv=_write(tmp_path / "s.csv", lines))
     train, ev = _jsonl(tmp_path / "out" / "train.jsonl"), _jsonl(tmp_path / "out" / "eval.jsonl")
     assert meta["counts"] == {"train": 18, "eval": 1}
     assert meta["skipped_rows"] == [21]
@@ -206,18 +207,18 @@ def test_write_splits_from_csv(tmp_path):
     assert [r["id"] for r in train][:2] == ["row2", "row3"] and ev[0]["id"] == "row20"
     r = train[0]
     assert set(r) == {"id", "puzzle", "solution", "clues", "difficulty", "system", "prompt", "response"}
-    assert (r["clues"], r["difficulty"], r["system"]) == (30, "medium", S.SYSTEM_PROMPT)
+    assert (r["clues"], r["difficulty"], r["system"]) == (30, "medium", T.SYSTEM_PROMPT)
     assert r["prompt"] == " ".join(PUZZLE) and r["response"] == " ".join(SOLUTION)
     with pytest.raises(DGemmaError, match="no usable rows"):
-        S.write_splits(tmp_path / "o2", csv=tmp_path / "s.csv", difficulty="easy")
+        T.write_splits(tmp_path / "o2", csv=tmp_path / "s.csv", difficulty="easy")
     with pytest.raises(DGemmaError, match="exactly one"):
-        S.write_splits(tmp_path / "o3", csv=tmp_path / "s.csv", n=3)
+        T.write_splits(tmp_path / "o3", csv=tmp_path / "s.csv", n=3)
 
 
 def test_split_sizes():
-    assert S.split_sizes(100) == (90, 10)
-    assert S.split_sizes(20) == (18, 2)
-    assert S.split_sizes(1) == (1, 0)
+    assert T.split_sizes(100) == (90, 10)
+    assert T.split_sizes(20) == (18, 2)
+    assert T.split_sizes(1) == (1, 0)
 
 
 def test_cli_prepare_sudoku_generated(tmp_path, capsys):

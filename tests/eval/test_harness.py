@@ -7,8 +7,10 @@ import pytest
 
 from dgemma.errors import DGemmaError
 from dgemma.eval import harness
+from dgemma.sampling import max_canvases
 from dgemma.eval.harness import Evaluator, default_evaluators, evaluate, parse_evaluator, run_evaluators
-from dgemma.eval.tasks import SUDOKU_EVAL_SEED, TASKS, generate_eval_puzzles, get_task
+from dgemma.tasks import TASKS, get_task
+from dgemma.tasks.sudoku import SUDOKU_EVAL_SEED, generate_eval_puzzles
 from dgemma.training.config import apply_overrides, load_config
 from dgemma.training.runs import load_run
 from dgemma.training.trainer import train
@@ -166,7 +168,7 @@ def test_parse_evaluator():
 def test_generated_sudoku_eval_set_is_held_out():
     from dgemma.data.char_tokenizer import CharTokenizer
     from dgemma.data.sudoku import count_solutions
-    from dgemma.data.sudoku_stream import SudokuStream
+    from dgemma.tasks.sudoku import SudokuStream
     from dgemma.training.config import Config
 
     recs = generate_eval_puzzles(9, seed=SUDOKU_EVAL_SEED)
@@ -183,7 +185,7 @@ def test_generated_sudoku_eval_set_is_held_out():
 
 
 def test_task_loading_from_prepared_dir(tmp_path):
-    from dgemma.data.sudoku import write_splits
+    from dgemma.tasks.sudoku import write_splits
     from dgemma.training.config import Config
 
     write_splits(tmp_path / "s", n=20, seed=3)
@@ -195,7 +197,7 @@ def test_task_loading_from_prepared_dir(tmp_path):
     assert len(task.load(apply_overrides(cfg, ["--cfg.eval_ds.num_examples=99"]))) == 2
     with pytest.raises(DGemmaError, match="data.path is not set"):
         get_task("pubmedqa").load(Config())
-    with pytest.raises(DGemmaError, match="unknown eval task"):
+    with pytest.raises(DGemmaError, match="unknown task .mmlu.; choose one of"):
         get_task("mmlu")
 
 
@@ -222,9 +224,9 @@ def test_max_canvases_precedence():
     from dgemma.training.config import Config
 
     cfg = apply_overrides(Config(), ["--cfg.diffusion.num_canvases=2"])
-    assert harness.max_canvases(cfg) == 2
-    assert harness.max_canvases(apply_overrides(cfg, ["--cfg.eval_ds.max_canvases=3"])) == 3
-    assert harness.max_canvases(apply_overrides(cfg, ["--cfg.eval_ds.max_canvases=3", "--cfg.aux.num_canvases=4"])) == 4
+    assert max_canvases(cfg) == 2
+    assert max_canvases(apply_overrides(cfg, ["--cfg.eval_ds.max_canvases=3"])) == 3
+    assert max_canvases(apply_overrides(cfg, ["--cfg.eval_ds.max_canvases=3", "--cfg.aux.num_canvases=4"])) == 4
 
 
 def test_knobs_reach_step_and_stopping_rule(workdir, tmp_path):

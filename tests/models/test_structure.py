@@ -183,7 +183,8 @@ def test_fingerprint_and_compatibility():
 
 
 def test_save_hf_round_trip(tmp_path):
-    from dgemma.models.weights import EXTRAS_FILE, load_pretrained, save_hf
+    from dgemma.models.weights import EXTRAS_FILE, save_hf
+    from dgemma.models.pretrained import load_pretrained
     from safetensors.torch import load_file
 
     model = tiny(canvas_position_groups=GROUPS).float()

@@ -12,11 +12,10 @@ from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
 from dgemma.data.tokenizers import Tokenizer
 from dgemma.errors import DGemmaError
-from dgemma.models import weights
+from dgemma.models import pretrained
+from dgemma.models.pretrained import load_pretrained, verify_sha256
 from dgemma.models.transformer import FULL, SLIDING, DiffusionGemma, ModelConfig
-from dgemma.models.weights import (
-    config_from_hf, config_to_hf, load_pretrained, model_from_state_dict, save_hf, verify_sha256,
-)
+from dgemma.models.weights import config_from_hf, config_to_hf, model_from_state_dict, save_hf
 
 S, F = SLIDING, FULL
 TINY = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -272,7 +271,7 @@ def test_error_untied_head_and_stray_weights():
 def test_checksum_refuses_tampered_file(tmp_path):
     good = tmp_path / "weights.gguf"
     good.write_bytes(b"GGUF" + bytes(range(256)) * 100)
-    digest = weights.sha256_file(good)
+    digest = pretrained.sha256_file(good)
     verify_sha256(good, digest)  # passes
     good.write_bytes(good.read_bytes()[:-1] + b"\x00")
     with pytest.raises(DGemmaError, match="checksum mismatch for .*weights.gguf"):
@@ -288,10 +287,10 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
         assert path.stat().st_size > 100_000_000  # the GGUF was assembled and checked
         raise KeyboardInterrupt
 
-    stale = tmp_path / (weights.PARTIAL_PREFIX + "killed")  # left by a conversion killed a day ago
+    stale = tmp_path / (pretrained.PARTIAL_PREFIX + "killed")  # left by a conversion killed a day ago
     stale.mkdir()
     os.utime(stale, (time.time() - 86_400,) * 2)
-    monkeypatch.setattr(weights, "_read_gguf", boom)
+    monkeypatch.setattr(pretrained, "_read_gguf", boom)
     with pytest.raises(KeyboardInterrupt):
-        weights.prepare_gemma3_270m()
+        pretrained.prepare_gemma3_270m()
     assert list(tmp_path.iterdir()) == []

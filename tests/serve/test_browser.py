@@ -29,7 +29,8 @@ if not Path(CHROMIUM).is_file():
                 allow_module_level=True)
 
 from dgemma.data.sudoku import generate_puzzles  # noqa: E402
-from dgemma.serve.app import create_app, is_run  # noqa: E402
+from dgemma.serve.app import create_app  # noqa: E402
+from dgemma.serve.engine import is_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "checkpoints" / "sudoku_small"

@@ -210,7 +210,8 @@ SLOW = {"steps": 8000, "step_type": "ddim"}  # ~7 s a canvas (ddim commits nothi
 
 @pytest.fixture
 def one_slot(tiny_text_model, live_server):
-    from dgemma.serve.app import Limits, create_app
+    from dgemma.serve.app import create_app
+    from dgemma.serve.engine import Limits
 
     server = live_server(create_app(sudoku=None, text=tiny_text_model, limits=Limits(max_jobs=1, max_steps=8000)))
     return server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

