@@ -139,7 +139,9 @@ class DGemmaLM(TemplateLM):
         self.positions = self.model.config.max_position_embeddings
         if self.canvases < 1 or self.steps < 1:
             raise DGemmaError(f"canvases and steps must be >= 1, got {self.canvases} and {self.steps}")
-        self._step(self.temperature, 1.0)  # bad step settings fail here, not mid-evaluation
+        from dgemma.sampling import build_rules
+
+        build_rules(self._settings_for(self.temperature, 1.0, 1), self.noise)  # bad settings fail here, not mid-run
         self._warned: set[str] = set()
         log.warning(ELBO_NOTE.format(mc=self.mc_samples))
 
@@ -215,20 +217,13 @@ class DGemmaLM(TemplateLM):
             log.warning(message)
 
     # ------------------------------------------------------------------ generation
-    def _step(self, temperature: float, top_p: float):
-        import inspect
+    def _settings_for(self, temperature: float, top_p: float, canvases: int):
+        from dgemma.sampling import SamplerConfig
 
-        from dgemma.diffusion.steps import STEPS, build_step
-        from dgemma.diffusion.wrappers import TopPStep
-
-        if self.step_type not in STEPS:
-            raise DGemmaError(f"step_type {self.step_type!r} is unknown; choose one of {', '.join(STEPS)}")
-        kw = {"noise": self.noise, "temperature": temperature}
-        if self.step_type == "confidence" and self.threshold is not None:
-            kw["threshold"] = float(self.threshold)
-        accepted = inspect.signature(STEPS[self.step_type]).parameters
-        step = build_step(self.step_type, **{k: v for k, v in kw.items() if k in accepted})
-        return step if top_p >= 1 else TopPStep(step, top_p)
+        return SamplerConfig(num_steps=self.steps, step_type=self.step_type, temperature=temperature,
+                             early_stopping=self.early_stopping or "none", entropy_threshold=self.entropy_threshold,
+                             max_canvases=canvases, top_p=top_p,
+                             confidence_threshold=None if self.threshold is None else float(self.threshold))
 
     def _settings(self, gen_kwargs: dict) -> tuple[tuple[str, ...], int, float, float]:
         """``(until, max_gen_toks, temperature, top_p)`` of one request's generation kwargs."""
@@ -285,9 +280,7 @@ class DGemmaLM(TemplateLM):
                        top_p: float = 1.0) -> list[list[int]]:
         """Sampled tokens for each context, row ``j`` seeded by ``(seed, indices[j])``, cut at
         ``max_toks`` (and after a stop token). The batch is sampled in one sampler call."""
-        from dgemma.diffusion.sampler import CanvasSampler
-        from dgemma.diffusion.stopping import build_stopping
-        from dgemma.diffusion.wrappers import RowSeeded
+        from dgemma.sampling import build_sampler
 
         c = self.canvas_size
         canvases = min(math.ceil(max_toks / c), self.canvases)
@@ -304,13 +297,8 @@ class DGemmaLM(TemplateLM):
         if self.model.config.attn_implementation == "flex" and self.cfg is not None:
             pad_to = max(self.cfg.data.prompt_len, max(map(len, prompts)))  # flex kernels compile for one shape
         ids, valid = self._pad(prompts, pad_to)
-        rule = self.early_stopping or "none"
-        stop = build_stopping(rule, **({"threshold": self.entropy_threshold} if rule == "entropy" else {}))
-        gens = [_seeded(self.seed, i) for i in indices]
-        rows = RowSeeded(self.noise, self._step(temperature, top_p), gens, num_steps=self.steps,
-                         stop_ids=self.stop_ids)
-        sampler = CanvasSampler(**rows.kwargs(), num_steps=self.steps, canvas_size=c, max_canvases=canvases,
-                                stop=stop, stop_ids=self.stop_ids, temperature=temperature if temperature > 0 else 1.0)
+        sampler = build_sampler(self._settings_for(temperature, top_p, canvases), noise=self.noise, canvas_size=c,
+                                stop_ids=self.stop_ids, generators=[_seeded(self.seed, i) for i in indices])
         hints = self._hints(contexts, canvases * c)
         extra = {} if hints is None else {"hints": hints}
         res = sampler(self.model, ids, valid, generator=torch.Generator(), **extra)  # RowSeeded: never drawn from

@@ -12,30 +12,52 @@ takes the model's default (a run's ``eval_ds``). :func:`build_sampler` is the on
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from dgemma.data.sft import encode_prompts
+from dgemma.device import default_device, resolve_dtype
+from dgemma.diffusion.corruption import UniformNoise
+from dgemma.diffusion.sampler import CanvasSampler
+from dgemma.diffusion.schedules import get_schedule
+from dgemma.diffusion.steps import STEPS
+from dgemma.diffusion.stopping import STOPPING
+from dgemma.diffusion.wrappers import RowSeeded, TopPStep
 from dgemma.errors import DGemmaError
+from dgemma.models.pretrained import load_pretrained
+from dgemma.tasks import response_stop_ids
+from dgemma.training.runs import load_run
 
 
 @dataclass(kw_only=True)
 class SamplerConfig:
     num_steps: int | None = None  # denoising steps per canvas
     step_type: str | None = None  # ddim | commit | confidence | entropy_bound
-    temperature: float | None = None  # 0 = greedy (commit / confidence)
+    temperature: float | None = None  # the step's; 0 = greedy (commit / confidence)
+    signal_temperature: float | None = None  # self-conditioning signal and stopping entropy (None: T, or 1 if greedy)
     early_stopping: str | None = None  # none | entropy | stable_confident
     entropy_threshold: float | None = None  # for early_stopping="entropy"
     max_canvases: int | None = None
     min_stop_prob: float | None = None  # a stop token only where its probability reaches this (0 = argmax)
-    step_args: dict = field(default_factory=dict)  # extra step arguments, e.g. {"threshold": 0.9}
-    stop_args: dict = field(default_factory=dict)  # extra stopping arguments
+    # each rule reads its own settings (dgemma/diffusion/steps.py:StepRule.from_settings)
+    confidence_threshold: float | None = None  # confidence step: commit where p > this (default 0.9)
+    commit_block: int | None = None  # commit step: semi-autoregressive sub-blocks of this many positions
+    entropy_bound: float | None = None  # entropy_bound step: the bound on the accepted entropies (default 0.1)
+    entropy_t_max: float | None = None  # entropy_bound step: its temperature at t = 1 (default 0.8)
+    entropy_t_min: float | None = None  # entropy_bound step: its temperature as t -> 0 (default 0.4)
+    stability_threshold: int | None = None  # stable_confident stopping: unchanged steps (default 1)
+    stop_confidence_threshold: float | None = None  # stable_confident stopping: entropy bound (default 0.005)
+    top_p: float | None = None  # nucleus filtering of the step's distribution (1 = off)
 
     def merged(self, defaults: "SamplerConfig") -> "SamplerConfig":
         """This config with every ``None`` field taken from ``defaults``."""
-        return replace(defaults, **{k: v for k, v in asdict(self).items() if v is not None and v != {}})
+        return replace(defaults, **{k: v for k, v in asdict(self).items() if v is not None})
+
+    def resolved(self) -> "SamplerConfig":
+        """Every rule setting still ``None`` at its rule's default (``commit_block`` stays None: no blocks)."""
+        return self.merged(RULE_DEFAULTS)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,30 +72,93 @@ def max_canvases(cfg) -> int:
     return cfg.aux.num_canvases or cfg.eval_ds.max_canvases or cfg.diffusion.num_canvases
 
 
-def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tuple[int, ...]):
-    """The :class:`~dgemma.diffusion.sampler.CanvasSampler` that ``cfg`` describes (all fields set)."""
-    from dgemma.diffusion.sampler import CanvasSampler
-    from dgemma.diffusion.steps import STEPS, build_step
-    from dgemma.diffusion.stopping import build_stopping
+def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
+                  early_stopping: str | None) -> SamplerConfig:
+    """A run's sampler settings: ``eval_ds`` and the canvas count of ``cfg``, with the step count,
+    step rule, temperature and stopping rule of one evaluator."""
+    e = cfg.eval_ds
+    return SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature,
+                         early_stopping=early_stopping or "none", entropy_threshold=e.entropy_threshold,
+                         max_canvases=max_canvases(cfg), min_stop_prob=e.min_stop_prob,
+                         confidence_threshold=e.confidence_threshold, commit_block=e.commit_block,
+                         entropy_bound=e.entropy_bound, stability_threshold=e.stability_threshold,
+                         stop_confidence_threshold=e.stop_confidence_threshold)
+
+
+RULE_DEFAULTS = SamplerConfig(entropy_threshold=0.05, min_stop_prob=0.0, confidence_threshold=0.9, entropy_bound=0.1,
+                              stability_threshold=1, stop_confidence_threshold=0.005, top_p=1.0,
+                              entropy_t_max=0.8, entropy_t_min=0.4)
+"""The step and stopping rules' own defaults (those of their constructors)."""
+
+
+def build_rules(cfg: SamplerConfig, noise):
+    """``(step, stopping rule)`` of ``cfg``, each built from the settings it reads
+    (``StepRule.from_settings``), rule settings left ``None`` at their defaults; ``top_p < 1``
+    wraps the step in nucleus filtering. Bad settings raise DGemmaError."""
 
     missing = [k for k in ("num_steps", "step_type", "temperature", "early_stopping", "max_canvases")
                if getattr(cfg, k) is None]
     if missing:
         raise DGemmaError(f"sampler settings missing: {', '.join(missing)}")
     if cfg.step_type not in STEPS:
-        raise DGemmaError(f"denoising step {cfg.step_type!r} is not available; choose one of {sorted(STEPS)}")
+        raise DGemmaError(f"step_type {cfg.step_type!r} is unknown; choose one of {', '.join(STEPS)}")
+    if cfg.early_stopping not in STOPPING:
+        raise DGemmaError(f"early_stopping {cfg.early_stopping!r} is unknown; choose one of {', '.join(STOPPING)}")
     if cfg.num_steps < 1 or cfg.max_canvases < 1:
         raise DGemmaError(f"num_steps and max_canvases must be >= 1, got {cfg.num_steps} and {cfg.max_canvases}")
-    accepted = inspect.signature(STEPS[cfg.step_type]).parameters
-    step_kw = {k: v for k, v in {"noise": noise, "temperature": cfg.temperature}.items() if k in accepted}
-    step = build_step(cfg.step_type, **{**step_kw, **cfg.step_args})
-    rule = cfg.early_stopping or "none"
-    stop_kw = {"threshold": cfg.entropy_threshold} if rule == "entropy" and cfg.entropy_threshold is not None else {}
-    stop = build_stopping(rule, **{**stop_kw, **cfg.stop_args})
-    return CanvasSampler(noise=noise, step=step, num_steps=cfg.num_steps, canvas_size=canvas_size,
+    cfg = cfg.resolved()
+    step = STEPS[cfg.step_type].from_settings(cfg, noise)
+    if cfg.top_p < 1:
+        step = TopPStep(step, cfg.top_p)
+    return step, STOPPING[cfg.early_stopping].from_settings(cfg)
+
+
+def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tuple[int, ...], generators=None,
+                  on_step=None, **engine):
+    """The :class:`~dgemma.diffusion.sampler.CanvasSampler` that ``cfg`` describes: the one
+    place a sampler is assembled. ``generators`` (one per batch row) gives every row its own
+    random stream (:class:`~dgemma.diffusion.wrappers.RowSeeded`: outputs independent of the
+    batch); ``on_step`` is the sampler's per-step hook; ``engine`` passes the sampler's own
+    switches through (``use_cache``, ``record``, ``skip_committed``), which change no output."""
+
+    step, stop = build_rules(cfg, noise)
+    cfg = cfg.resolved()
+    parts = {"noise": noise, "step": step, "on_step": on_step}
+    if generators is not None:
+        parts = RowSeeded(noise, step, generators, num_steps=cfg.num_steps, stop_ids=stop_ids,
+                          on_step=on_step).kwargs()
+    return CanvasSampler(**parts, num_steps=cfg.num_steps, canvas_size=canvas_size,
                          max_canvases=cfg.max_canvases, stop=stop, stop_ids=stop_ids,
-                         min_stop_prob=cfg.min_stop_prob or 0.0,
-                         temperature=cfg.temperature if cfg.temperature > 0 else 1.0)  # greedy: selfcond reads T=1
+                         min_stop_prob=cfg.min_stop_prob, temperature=signal_temperature(cfg), **engine)
+
+
+def signal_temperature(cfg: SamplerConfig) -> float:
+    """The temperature of the self-conditioning signal and the stopping entropy: the step's,
+    or 1 (the plain softmax) for a greedy step, unless ``cfg.signal_temperature`` names one."""
+    if cfg.signal_temperature is not None:
+        return cfg.signal_temperature
+    return cfg.temperature if cfg.temperature > 0 else 1.0
+
+
+def diffusiongemma_sampler(vocab_size: int, canvas_size: int = 256, *, max_new_tokens: int = 256,
+                           max_denoising_steps: int = 48, entropy_bound: float = 0.1, t_min: float = 0.4,
+                           t_max: float = 0.8, stability_threshold: int = 1, confidence_threshold: float = 0.005,
+                           eos_token_id: int | tuple[int, ...] = 1) -> CanvasSampler:
+    """The sampler of transformers' ``DiffusionGemmaForBlockDiffusion.generate``, argument for argument.
+
+    Its defaults are ``generate``'s (``DiffusionGemmaGenerationConfig``): with the same model,
+    prompt and seed (``torch.manual_seed(s)`` there, ``generator=torch.Generator().manual_seed(s)``
+    here) it emits the same tokens; ``SampleResult.tokens_per_decoder_forward(pad_id)`` is its
+    ``tokens_per_forward``.
+    """
+    noise = UniformNoise(vocab_size, get_schedule("linear"))
+    stop_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    settings = SamplerConfig(num_steps=max_denoising_steps, step_type="entropy_bound", temperature=0.7,
+                             entropy_bound=entropy_bound, entropy_t_max=t_max, entropy_t_min=t_min,
+                             early_stopping="stable_confident", stability_threshold=stability_threshold,
+                             stop_confidence_threshold=confidence_threshold,
+                             max_canvases=-(-max_new_tokens // canvas_size))
+    return build_sampler(settings, noise=noise, canvas_size=canvas_size, stop_ids=stop_ids)
 
 
 @dataclass
@@ -103,8 +188,6 @@ class Model:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        from dgemma.tasks import response_stop_ids
-
         return response_stop_ids(self.tokenizer)
 
     def settings(self, overrides: SamplerConfig | None = None) -> SamplerConfig:
@@ -115,8 +198,6 @@ class Model:
                  seed: int = 0) -> list[Output]:
         """Sample every prompt (strings, or records ``{"prompt", "system"?}`` rendered in the chat
         format); one generator seeded by ``seed`` draws for all of them, batch after batch."""
-        from dgemma.data.sft import encode_prompts
-
         records = [{"prompt": p} if isinstance(p, str) else p for p in prompts]
         sampler = build_sampler(self.settings(settings), noise=self.noise, canvas_size=self.canvas_size,
                                 stop_ids=self.stop_ids)
@@ -136,23 +217,14 @@ def load_model(source: str | Path, *, pretrained: bool = False, dtype: str = "au
     """A training workdir (its latest checkpoint, its ``eval_ds`` as defaults), or with
     ``pretrained=True`` a base model (``gemma3-270m``, a Gemma 3 folder or ``.gguf``) with
     uniform noise, 32-token canvases and the confidence step: untrained for diffusion."""
-    from dgemma.device import default_device, resolve_dtype
-
     device = torch.device(device) if device else default_device()
     if not pretrained:
-        from dgemma.training.runs import load_run
-
         run = load_run(source, dtype=dtype, device=device)
         e = run.cfg.eval_ds
-        defaults = SamplerConfig(num_steps=e.steps[0], step_type=e.step_type, temperature=e.temperature,
-                                 early_stopping=e.early_stopping or "none", entropy_threshold=e.entropy_threshold,
-                                 max_canvases=max_canvases(run.cfg), min_stop_prob=e.min_stop_prob)
+        defaults = eval_settings(run.cfg, num_steps=e.steps[0], step_type=e.step_type, temperature=e.temperature,
+                                 early_stopping=e.early_stopping)
         return Model(run.model, run.tokenizer, run.noise(), run.cfg.diffusion.canvas_size, run.cfg.data.prompt_len,
                      defaults, trained=True, source=str(source))
-    from dgemma.diffusion.corruption import UniformNoise
-    from dgemma.diffusion.schedules import get_schedule
-    from dgemma.models.pretrained import load_pretrained
-
     model, tokenizer = load_pretrained(str(source))
     if tokenizer is None:
         raise DGemmaError(f"{source} has no tokenizer.json: sampling text needs one")

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
-    from dgemma.diffusion.sampler import diffusiongemma_sampler
+    from dgemma.sampling import diffusiongemma_sampler
 
     if args.smoke:
         device, dtype, text, canvas, prompt_len, steps = torch.device("cpu"), torch.float32, SMOKE, 8, 12, 3

@@ -35,11 +35,11 @@ from dgemma.bench.common import (Budget, Context, add_ratio, finish, format_tabl
 from dgemma.diffusion.corruption import UniformNoise
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.diffusion.schedules import get_schedule
-from dgemma.diffusion.steps import build_step
-from dgemma.diffusion.stopping import build_stopping
+from dgemma.diffusion.steps import STEPS
+from dgemma.sampling import SamplerConfig, build_sampler
 
 STEP_TYPES = ("ddim", "commit", "confidence")
-STEP_TEMPERATURE = {"ddim": 0.7, "commit": 0.0, "confidence": 0.0}  # each rule's default
+STEP_TEMPERATURE = {s: STEPS[s].default_temperature for s in STEP_TYPES}  # each rule's own default
 
 # Sizes per profile. ``grid_steps`` x STEP_TYPES x {no stop, entropy stop} at ``batches[0]``; the
 # big batch runs ``big_batch_steps`` only (batch 16 on a CPU is only affordable with short canvases).
@@ -75,11 +75,10 @@ def _sync_time(fn, device):
 
 def _diffusion_sampler(noise, step: str, steps: int, canvas: int, *, early_stop: bool, use_cache: bool = True,
                        stop_ids=()) -> CanvasSampler:
-    temp = STEP_TEMPERATURE[step]
-    kw = {"noise": noise, "temperature": temp}
-    return CanvasSampler(noise=noise, step=build_step(step, **kw), num_steps=steps, canvas_size=canvas, max_canvases=1,
-                         stop=build_stopping("entropy") if early_stop else build_stopping("none"),
-                         stop_ids=tuple(stop_ids), temperature=temp if temp > 0 else 1.0, use_cache=use_cache)
+    """One canvas with ``step`` at its own default temperature (``StepRule.default_temperature``)."""
+    settings = SamplerConfig(num_steps=steps, step_type=step, temperature=STEPS[step].default_temperature,
+                             early_stopping="entropy" if early_stop else "none", max_canvases=1)
+    return build_sampler(settings, noise=noise, canvas_size=canvas, stop_ids=tuple(stop_ids), use_cache=use_cache)
 
 
 def _hf_generate(hf, ids, valid, new_tokens: int):
@@ -420,7 +419,7 @@ def _hints_kw(pins) -> dict:
 def _bench_sudoku(ctx: Context, result: dict, budget: Budget, sz: dict, run=None) -> list[dict]:
     """The trained Sudoku model: speed and accuracy per sampler setting, AR and generate baselines."""
     from dgemma.data.sft import encode_prompts
-    from dgemma.eval.harness import build_sampler
+    from dgemma.eval import harness  # the run's own sampler, as dgemma eval builds it
     from dgemma.tasks import get_task
     from dgemma.tasks.sudoku import generate_eval_puzzles
 
@@ -496,7 +495,7 @@ def _bench_sudoku(ctx: Context, result: dict, budget: Budget, sz: dict, run=None
                     result["skipped"].append(f"sudoku {st} S={steps}{' ES' if early else ''} (time budget)")
                     continue
                 temp = cfg.eval_ds.temperature if st == cfg.eval_ds.step_type else STEP_TEMPERATURE[st]
-                sampler, settings = build_sampler(run, task, num_steps=steps, step_type=st, temperature=temp,
+                sampler, settings = harness.build_sampler(run, task, num_steps=steps, step_type=st, temperature=temp,
                                                   early_stopping="entropy" if early else None)
                 ctx.say(f"decode sudoku: {st} S={steps}{' ES' if early else ''}")
                 gen = torch.Generator(device=dev).manual_seed(0)

@@ -191,10 +191,10 @@ def measure_sampling(cfg, ar_cfg, device, *, steps: tuple[int, ...], canvases: i
     greedy ``ar_generate`` with the KV cache of the random AR baseline, ``canvases x C`` new tokens
     per row from a one-token prompt, no stop tokens; the fastest of ``repeats`` after a warm-up."""
     from dgemma.diffusion.corruption import build_noise
-    from dgemma.diffusion.sampler import CanvasSampler, ar_generate
+    from dgemma.diffusion.sampler import ar_generate
     from dgemma.diffusion.schedules import get_schedule
-    from dgemma.diffusion.steps import build_step
     from dgemma.eval.lite import analytic_tokens_per_forward
+    from dgemma.sampling import SamplerConfig, build_sampler
     from dgemma.models.transformer import DiffusionGemma
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -224,8 +224,9 @@ def measure_sampling(cfg, ar_cfg, device, *, steps: tuple[int, ...], canvases: i
     say(f"  AR: {ar['tokens_per_second']:.0f} tok/s")
     rows = []
     for t in steps:
-        sampler = CanvasSampler(noise=noise, step=build_step("commit", noise=noise, schedule=noise.schedule),
-                                num_steps=t, canvas_size=c, max_canvases=canvases)
+        sampler = build_sampler(SamplerConfig(num_steps=t, step_type="commit", temperature=0.0, signal_temperature=0.7,
+                                              early_stopping="none", max_canvases=canvases),
+                                noise=noise, canvas_size=c, stop_ids=())
         res = fastest(lambda: sampler(models["diffusion"], ids, valid, generator=torch.Generator(device).manual_seed(0)))
         s = res.stats()
         rows.append({"name": f"commit T={t}", "num_steps": t, **s,

@@ -30,11 +30,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from dgemma.diffusion.corruption import UniformNoise
-from dgemma.diffusion.schedules import LinearSchedule, time_grid
+from dgemma.diffusion.schedules import time_grid
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
-from dgemma.diffusion.steps import CanvasState, EntropyBoundStep
-from dgemma.diffusion.stopping import NoStop, StableAndConfident
+from dgemma.diffusion.steps import CanvasState
+from dgemma.diffusion.stopping import NoStop
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.selfcond import probs_embedding
@@ -168,7 +167,7 @@ class CanvasSampler:
                     row_before = before if not self.use_cache else before[running]
                     hidden = shift_to_canvas(hidden, row_before[:, None], c)
                 # committed positions can no longer change: the LM head runs on the open ones only
-                open_ = ~state.committed if self.skip_committed and getattr(self.step, "commits", False) else None
+                open_ = ~state.committed if self.skip_committed and self.step.commits else None
                 logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
                 if self.min_stop_prob > 0 and self.stop_ids:
                     logits = gate_stop_tokens(logits, self.stop_ids, self.min_stop_prob)
@@ -179,10 +178,7 @@ class CanvasSampler:
                                   is_last=is_last)
                 if self.fill_after_stop and open_ is not None and self.stop_ids:
                     state = fill_after_stop(state, self.stop_ids)
-                # a step with its own temperature schedule (entropy_bound) sets the temperature the
-                # self-conditioning signal and the stopping entropy read, as transformers does
-                temp = schedule(float(grid[i])) if (schedule := getattr(self.step, "schedule_temperature", None)) \
-                    else self.temperature
+                temp = self.step.sampling_temperature(float(grid[i]), self.temperature)
                 if model.self_conditioning is not None:  # T <= 0 (greedy) conditions on the plain softmax
                     selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, embed, state.tokens, open_)
                 done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
@@ -312,25 +308,6 @@ def selfcond_signal(logits: Tensor, temperature: float, embed: Tensor, tokens: T
     out = embed[tokens]  # [B, C, d]
     out[open_] = probs_embedding(logits[open_] / temperature, embed)
     return out
-
-
-def diffusiongemma_sampler(vocab_size: int, canvas_size: int = 256, *, max_new_tokens: int = 256,
-                           max_denoising_steps: int = 48, entropy_bound: float = 0.1, t_min: float = 0.4,
-                           t_max: float = 0.8, stability_threshold: int = 1, confidence_threshold: float = 0.005,
-                           eos_token_id: int | tuple[int, ...] = 1) -> CanvasSampler:
-    """The sampler of transformers' ``DiffusionGemmaForBlockDiffusion.generate``, argument for argument.
-
-    Its defaults are ``generate``'s (``DiffusionGemmaGenerationConfig``): with the same model,
-    prompt and seed (``torch.manual_seed(s)`` there, ``generator=torch.Generator().manual_seed(s)``
-    here) it emits the same tokens; ``SampleResult.tokens_per_decoder_forward(pad_id)`` is its
-    ``tokens_per_forward``.
-    """
-    noise = UniformNoise(vocab_size, LinearSchedule())
-    stop_ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    return CanvasSampler(noise=noise, step=EntropyBoundStep(noise, entropy_bound, t_max=t_max, t_min=t_min),
-                         num_steps=max_denoising_steps, canvas_size=canvas_size,
-                         max_canvases=-(-max_new_tokens // canvas_size),
-                         stop=StableAndConfident(stability_threshold, confidence_threshold), stop_ids=stop_ids)
 
 
 def _pad_left(selfcond: Tensor | None, ctx_ids: Tensor) -> Tensor | None:

@@ -65,9 +65,34 @@ class CanvasState:
 
 
 class Step(Protocol):
+    """What the sampler asks of a step: the call, and three facts about it."""
+
+    commits: bool  # committed positions are final: the sampler skips their vocabulary work
+    needs_uniform: bool  # the rule reads the uniform-noise posterior (refused with absorbing noise)
+
+    def sampling_temperature(self, t: float, default: float) -> float:
+        """The temperature the self-conditioning signal and the stopping entropy read at ``t``."""
+
     def __call__(
         self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
     ) -> CanvasState: ...
+
+
+class StepRule:
+    """Base of the built-in steps: the :class:`Step` facts' defaults and construction from a
+    :class:`~dgemma.sampling.SamplerConfig` (:meth:`from_settings`, each rule reading the
+    settings it has), so no caller needs to know which rule takes which argument."""
+
+    commits = False
+    needs_uniform = False
+    default_temperature = 0.0  # the rule's temperature when a caller names none
+
+    def sampling_temperature(self, t: float, default: float) -> float:
+        return default
+
+    @classmethod
+    def from_settings(cls, settings, noise) -> "StepRule":
+        raise NotImplementedError
 
 
 def predict(logits: Tensor, temperature: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -110,7 +135,7 @@ def _renoise(
                        pinned=state.pinned)
 
 
-class DDIMStep:
+class DDIMStep(StepRule):
     """The adapter's step: ancestral sampling with the exact uniform-noise posterior.
 
     Sample ``x0 ~ softmax(logits / T)``. Where ``x0 != x_t``, move to ``x0``, to a fresh noise
@@ -121,6 +146,13 @@ class DDIMStep:
     sampling: at high noise an agreeing token is usually sent back to noise). Nothing is
     committed; the last step targets ``s = 0``, where the posterior is ``x0`` itself.
     """
+
+    needs_uniform = True
+    default_temperature = 0.7
+
+    @classmethod
+    def from_settings(cls, settings, noise) -> "DDIMStep":
+        return cls(noise, temperature=settings.temperature)
 
     def __init__(self, noise: UniformNoise, temperature: float = 0.7, resample_agreeing: bool = False):
         if not isinstance(noise, UniformNoise):
@@ -159,7 +191,7 @@ class DDIMStep:
         return r + (r >= hi).long()
 
 
-class CommitStep:
+class CommitStep(StepRule):
     """Lite's step: commit the most confident positions on the schedule's pace, re-noise the rest.
 
     Predict ``x0`` (greedy at ``T = 0``); among uncommitted positions, those whose prediction
@@ -190,6 +222,10 @@ class CommitStep:
             if math.ceil(float(schedule.alpha(grid[i + 1])) * width - 1e-6) >= width:
                 return i + 1
         return num_steps
+
+    @classmethod
+    def from_settings(cls, settings, noise) -> "CommitStep":
+        return cls(noise, temperature=settings.temperature, block=settings.commit_block)
 
     def __init__(self, noise: NoiseProcess, schedule: Schedule | None = None, temperature: float = 0.0,
                  block: int | None = None):
@@ -235,12 +271,16 @@ def _leftmost_blocks(open_: Tensor, n_new: Tensor, block: int) -> Tensor:
     return blk[None, :] <= last[:, None]
 
 
-class ConfidenceStep:
+class ConfidenceStep(StepRule):
     """Threshold step (Fast-dLLM, SDAR): commit every uncommitted position whose confidence
     exceeds ``threshold``; if none does, commit the single most confident one; the last step
     commits everything. Uncommitted positions are redrawn from pure noise, as in CommitStep."""
 
     commits = True  # committed positions are final: the sampler skips their vocabulary work
+
+    @classmethod
+    def from_settings(cls, settings, noise) -> "ConfidenceStep":
+        return cls(noise, threshold=settings.confidence_threshold, temperature=settings.temperature)
 
     def __init__(self, noise: NoiseProcess, threshold: float = 0.9, temperature: float = 0.0):
         if not 0.0 <= threshold <= 1.0:
@@ -263,7 +303,7 @@ class ConfidenceStep:
         return _renoise(state, self.noise, pred, conf, new, generator)
 
 
-class EntropyBoundStep:
+class EntropyBoundStep(StepRule):
     """The released DiffusionGemma's step (as in transformers' ``DiffusionGemmaForBlockDiffusion``).
 
     Sample a denoiser canvas from the logits at a temperature that falls linearly from ``t_max``
@@ -274,6 +314,11 @@ class EntropyBoundStep:
     chosen afresh each step. The last step emits the argmax canvas.
     """
 
+    @classmethod
+    def from_settings(cls, settings, noise) -> "EntropyBoundStep":
+        return cls(noise, bound=settings.entropy_bound, t_max=settings.entropy_t_max,  # its own temperature
+                   t_min=settings.entropy_t_min)                                    # schedule: no settings.temperature
+
     def __init__(self, noise: NoiseProcess, bound: float = 0.1, t_max: float = 0.8, t_min: float = 0.4):
         if bound <= 0 or not 0 < t_min <= t_max:
             raise DGemmaError(f"entropy_bound needs bound > 0 and 0 < t_min <= t_max, got {bound}, {t_min}, {t_max}")
@@ -282,7 +327,8 @@ class EntropyBoundStep:
     def temperature(self, t: float) -> float:
         return self.t_min + (self.t_max - self.t_min) * t
 
-    schedule_temperature = temperature  # the sampler conditions and stops on this temperature too
+    def sampling_temperature(self, t: float, default: float) -> float:
+        return self.temperature(t)  # the sampler conditions and stops on this schedule too, as transformers does
 
     def accept(self, entropy: Tensor) -> Tensor:
         """``[B, C]`` entropies -> the accepted positions (bool)."""
@@ -304,7 +350,7 @@ class EntropyBoundStep:
         return replace(state, tokens=tokens, prev_pred=draw)
 
 
-STEPS: dict[str, type] = {"ddim": DDIMStep, "commit": CommitStep, "confidence": ConfidenceStep,
+STEPS: dict[str, type[StepRule]] = {"ddim": DDIMStep, "commit": CommitStep, "confidence": ConfidenceStep,
                           "entropy_bound": EntropyBoundStep}
 
 

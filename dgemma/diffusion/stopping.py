@@ -58,6 +58,10 @@ def mean_entropy(logits: Tensor, temperature: float, valid: Tensor | None = None
 class NoStop:
     """Never stops early: every canvas runs all its steps."""
 
+    @classmethod
+    def from_settings(cls, settings) -> "NoStop":
+        return cls()
+
     def reset(self, batch: int) -> None:
         pass
 
@@ -70,6 +74,10 @@ class NoStop:
 
 class EntropyStop:
     """The adapter's rule: done when the mean entropy is at most ``threshold`` (0.05 nats)."""
+
+    @classmethod
+    def from_settings(cls, settings) -> "EntropyStop":
+        return cls(threshold=settings.entropy_threshold)
 
     def __init__(self, threshold: float = 0.05):
         if threshold < 0:
@@ -91,6 +99,11 @@ class StableAndConfident:
     each of the ``stability_threshold`` previous steps and the mean entropy is below
     ``confidence_threshold``. With ``stability_threshold = 0`` only the entropy counts.
     Positions outside ``valid`` are ignored by both tests."""
+
+    @classmethod
+    def from_settings(cls, settings) -> "StableAndConfident":
+        return cls(stability_threshold=settings.stability_threshold,
+                   confidence_threshold=settings.stop_confidence_threshold)
 
     def __init__(self, stability_threshold: int = 1, confidence_threshold: float = 0.005):
         if stability_threshold < 0 or int(stability_threshold) != stability_threshold:

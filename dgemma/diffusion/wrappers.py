@@ -66,7 +66,7 @@ class _Step:
                  is_last: bool) -> CanvasState:
         return self._owner._step(state, logits, t, s, is_last)
 
-    def __getattr__(self, name):  # commits, schedule_temperature (entropy_bound), the step's settings
+    def __getattr__(self, name):  # commits, sampling_temperature, the step's settings
         if name == "_owner":
             raise AttributeError(name)
         return getattr(self._owner.step, name)

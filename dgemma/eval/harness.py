@@ -17,9 +17,10 @@ Each evaluator writes, under ``DIR/eval/<eval_name>/``:
 and TensorBoard scalars ``eval/<eval_name>/<key>`` at step ``S`` under ``DIR/eval/tb``.
 
 Sampling is seeded by ``eval_ds.seed`` through one generator for the whole evaluator, so the
-same checkpoint, settings and seed give the same outputs. Extra step or stopping arguments come
-from ``aux.knobs``: ``--cfg.aux.knobs.step.threshold=0.95`` (confidence step),
-``--cfg.aux.knobs.stop.confidence_threshold=0.01``.
+same checkpoint, settings and seed give the same outputs. Every sampler setting is a typed
+``eval_ds`` field (``--cfg.eval_ds.confidence_threshold=0.95`` for the confidence step,
+``--cfg.eval_ds.commit_block=8``, ``--cfg.eval_ds.stop_confidence_threshold=0.01``), turned into a
+sampler by ``dgemma/sampling.py:eval_settings`` and ``dgemma/sampling.py:build_sampler``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.data.sft import encode_prompts
 from dgemma.errors import DGemmaError
 from dgemma.tasks import get_task
-from dgemma.sampling import SamplerConfig, build_sampler as build, max_canvases
+from dgemma.sampling import build_sampler as build, eval_settings, max_canvases
 
 EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?sample_ar_steps(?P<steps>\d+)(?P<es>_early_stopping)?$")
 AR_EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?ar_greedy$")
@@ -87,10 +88,6 @@ def default_evaluators(cfg, task) -> list[Evaluator]:
 
 
 # ------------------------------------------------------------------------------------ building
-def _knobs(cfg, prefix: str) -> dict:
-    return {k[len(prefix):]: v for k, v in cfg.aux.knobs.items() if k.startswith(prefix)}
-
-
 def _params(obj) -> dict:
     """The constructor arguments an object kept, for the record (noise and schedules by name)."""
     out = {}
@@ -106,12 +103,8 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
     """The run's sampler (``dgemma/sampling.py:build_sampler``) and the settings that describe it."""
     cfg = run.cfg
     noise = run.noise()
-    sampler = build(SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature,
-                                  early_stopping=early_stopping or "none",
-                                  entropy_threshold=cfg.eval_ds.entropy_threshold, max_canvases=max_canvases(cfg),
-                                  min_stop_prob=cfg.eval_ds.min_stop_prob,
-                                  step_args=_knobs(cfg, "step."),
-                                  stop_args=_knobs(cfg, "stop.") if early_stopping else {}),
+    sampler = build(eval_settings(cfg, num_steps=num_steps, step_type=step_type, temperature=temperature,
+                                  early_stopping=early_stopping),
                     noise=noise, canvas_size=cfg.diffusion.canvas_size, stop_ids=task.stop_ids(run.tokenizer))
     step, stop, rule = sampler.step, sampler.stop, early_stopping or "none"
     settings = {

@@ -293,16 +293,16 @@ def analytic_tokens_per_forward(canvas_size: int, num_steps: int, canvases: int,
 
 
 def _sampler(run, num_steps: int, rule: str | None, canvases: int):
-    from dgemma.diffusion.sampler import CanvasSampler
-    from dgemma.diffusion.steps import build_step
-    from dgemma.diffusion.stopping import build_stopping
+    """Greedy ``commit`` steps, the self-conditioning signal and the stopping entropy at
+    ``eval_ds.temperature`` (1 if that is 0), no stop tokens: every row fills all its canvases."""
+    from dgemma.sampling import SamplerConfig, build_sampler
 
-    cfg, noise = run.cfg, run.noise()
-    stop_kw = {"threshold": cfg.eval_ds.entropy_threshold} if rule == "entropy" else {}
-    temperature = cfg.eval_ds.temperature if cfg.eval_ds.temperature > 0 else 1.0
-    return CanvasSampler(noise=noise, step=build_step("commit", noise=noise, schedule=noise.schedule),
-                         num_steps=num_steps, canvas_size=cfg.diffusion.canvas_size, max_canvases=canvases,
-                         stop=build_stopping(rule or "none", **stop_kw), stop_ids=(), temperature=temperature)
+    cfg = run.cfg
+    t = cfg.eval_ds.temperature
+    return build_sampler(SamplerConfig(num_steps=num_steps, step_type="commit", temperature=0.0,
+                                       signal_temperature=t if t > 0 else 1.0, early_stopping=rule or "none",
+                                       entropy_threshold=cfg.eval_ds.entropy_threshold, max_canvases=canvases),
+                         noise=run.noise(), canvas_size=cfg.diffusion.canvas_size, stop_ids=())
 
 
 def _prompt(run, batch: int) -> tuple[Tensor, Tensor]:

@@ -12,7 +12,6 @@ import nothing from each other but the app factory's mounting of the second.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import math
@@ -22,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from dgemma.diffusion.steps import STEPS
+from dgemma.diffusion.stopping import STOPPING
 from dgemma.errors import DGemmaError
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,7 @@ class ModelInfo:
 
     @property
     def step_types(self) -> list[str]:
-        from dgemma.diffusion.steps import STEPS
-
-        return [s for s in STEPS if s != "ddim" or self.process == "uniform"]  # ddim needs uniform noise
+        return [s for s, rule in STEPS.items() if not rule.needs_uniform or self.process == "uniform"]
 
     def as_dict(self) -> dict:
         return {"source": self.source, "kind": self.kind, "process": self.process, "canvas_size": self.canvas_size,
@@ -552,8 +551,7 @@ class Plan:
 
     settings: dict
     prompt_ids: list[int]
-    step: Any
-    stop: Any
+    sampler: Any  # the SamplerConfig (dgemma/sampling.py), checked by build_rules
     max_canvases: int
     seed: int
     delay_s: float
@@ -566,13 +564,13 @@ class Plan:
 def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: Limits,
               max_canvases: int | None = None) -> Plan:
     """Validate the settings against the model and the limits; DGemmaError says what is wrong."""
-    from dgemma.diffusion.steps import STEPS, build_step
-    from dgemma.diffusion.stopping import STOPPING, build_stopping
+    from dgemma.sampling import SamplerConfig, build_rules
 
     info, d = engine.info, engine.info.defaults
     step_type = req.step_type or d["step_type"]
     if step_type not in info.step_types:
-        why = " (it needs uniform noise; this model uses absorbing noise)" if step_type == "ddim" else ""
+        why = (" (it needs uniform noise; this model uses absorbing noise)"
+               if step_type in STEPS and STEPS[step_type].needs_uniform else "")
         raise DGemmaError(f"step_type {step_type!r} is not available for this model{why}; "
                           f"choose one of {', '.join(info.step_types)}")
     num_steps = req.num_steps or d["num_steps"]
@@ -592,17 +590,17 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
     if len(prompt_ids) + n_canvas * info.canvas_size > info.max_positions:
         raise DGemmaError(f"{len(prompt_ids)} prompt tokens plus {n_canvas} canvases of {info.canvas_size} exceed "
                           f"the model's {info.max_positions} positions; ask for fewer canvases")
-    kw = {"noise": engine.noise, "temperature": temperature}
-    if step_type == "confidence":
-        kw["threshold"] = d.get("threshold", 0.9) if req.threshold is None else req.threshold
-    accepted = inspect.signature(STEPS[step_type]).parameters
-    step = build_step(step_type, **{k: v for k, v in kw.items() if k in accepted})
-    stop = build_stopping(rule, **({"threshold": info.entropy_threshold} if rule == "entropy" else {}))
+    threshold = (d.get("threshold", 0.9) if req.threshold is None else req.threshold) \
+        if step_type == "confidence" else None
+    sampler = SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature, early_stopping=rule,
+                            entropy_threshold=info.entropy_threshold, max_canvases=n_canvas,
+                            confidence_threshold=threshold)
+    build_rules(sampler, engine.noise)  # bad settings fail here, before a job starts
     seed = random.randrange(2**31) if req.seed is None else req.seed
     settings = {"step_type": step_type, "num_steps": num_steps, "temperature": temperature, "early_stopping": rule,
-                "threshold": kw.get("threshold"), "max_canvases": n_canvas, "canvas_size": info.canvas_size,
+                "threshold": threshold, "max_canvases": n_canvas, "canvas_size": info.canvas_size,
                 "seed": seed, "delay_ms": req.delay_ms, "prompt_tokens": len(prompt_ids)}
-    return Plan(settings, prompt_ids, step, stop, n_canvas, seed, req.delay_ms / 1000)
+    return Plan(settings, prompt_ids, sampler, n_canvas, seed, req.delay_ms / 1000)
 
 
 def sudoku_hints(engine: Engine, puzzle: str) -> list[int] | None:
@@ -632,15 +630,15 @@ class Progress:
     and turns each step into ``(canvas, step, t, pieces, emitted)`` for :meth:`emit_step`.
 
     ``pieces`` are ``(token, settled)`` per canvas position: a settled position shows its token,
-    a noisy one the model's current guess (its argmax). Settled means committed, or for the
-    ``ddim`` step (which commits nothing) equal to the guess. ``emitted`` is the canvas the
+    a noisy one the model's current guess (its argmax). Settled means committed, or for a step
+    that commits nothing (``ddim``, ``entropy_bound``: ``Step.commits`` false) equal to the guess. ``emitted`` is the canvas the
     sampler emits when this step ends it (its tokens after the last step, the argmax on an early
     stop), else None.
     """
 
     def __init__(self, job: Job, plan: Plan, emit: Callable, piece: Callable[[int], str]):
         self.job, self.plan, self.emit, self.piece = job, plan, emit, piece
-        self.commits = plan.settings["step_type"] != "ddim"
+        self.commits = STEPS[plan.settings["step_type"]].commits
         self.num_steps = plan.settings["num_steps"]
         self.forwards = 1  # the prefill
         self.canvas = 0
@@ -697,23 +695,17 @@ def run_sampler(engine: Engine, plan: Plan, on_step: Callable):
     from its own generator seeded by ``derive_seed(seed, i)`` (:class:`~dgemma.diffusion.wrappers.RowSeeded`),
     so the first of ``n`` samples is the one sample of ``n = 1``; otherwise one generator
     seeded by ``seed`` serves the batch (the playground's rule)."""
-    from dgemma.diffusion.sampler import CanvasSampler
-    from dgemma.diffusion.wrappers import RowSeeded, TopPStep
+    from dgemma.sampling import build_sampler
 
-    t = plan.settings["temperature"]
-    num_steps = plan.settings["num_steps"]
     dev = engine.device
-    parts = {"noise": engine.noise, "step": plan.step if plan.top_p >= 1 else TopPStep(plan.step, plan.top_p),
-             "on_step": on_step}
+    gens = None
     if plan.row_seeds:
         from dgemma.training.trainer import derive_seed
 
         gens = [torch.Generator(device=dev).manual_seed(derive_seed(plan.seed, i)) for i in range(plan.rows)]
-        parts = RowSeeded(parts["noise"], parts["step"], gens, num_steps=num_steps, stop_ids=engine.stop_ids,
-                          on_step=on_step).kwargs()
-    sampler = CanvasSampler(**parts, num_steps=num_steps, canvas_size=engine.info.canvas_size,
-                            max_canvases=plan.max_canvases, stop=plan.stop, stop_ids=engine.stop_ids,
-                            temperature=t if t > 0 else 1.0)
+    sampler = build_sampler(replace(plan.sampler, top_p=plan.top_p), noise=engine.noise,
+                            canvas_size=engine.info.canvas_size, stop_ids=engine.stop_ids, generators=gens,
+                            on_step=on_step)
     ids = torch.tensor([plan.prompt_ids] * plan.rows, dtype=torch.long, device=dev)
     valid = torch.ones_like(ids, dtype=torch.bool)
     if engine.model.config.attn_implementation == "flex" and ids.shape[1] < engine.info.prompt_len:

@@ -303,16 +303,14 @@ def sudoku_metrics(texts, puzzles, solutions) -> dict:
 
 # ------------------------------------------------------------------------------------ eval puzzles
 SUDOKU_EVAL_SEED = 7_919
-"""Seed of the generated Sudoku eval puzzles: one fixed held-out set for every run and sampling
-seed, so numbers compare across runs (``--cfg.aux.knobs.eval_puzzle_seed=N`` picks another).
-They come from fresh grids, never the training stream's pool."""
+"""Seed of the generated Sudoku eval puzzles (``eval_ds.puzzle_seed``'s default): one fixed
+held-out set for every run and sampling seed, so numbers compare across runs
+(``--cfg.eval_ds.puzzle_seed=N`` picks another). They come from fresh grids, never the training
+stream's pool."""
 
 
 def eval_puzzle_seed(cfg) -> int:
-    seed = cfg.aux.knobs.get("eval_puzzle_seed", SUDOKU_EVAL_SEED)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise DGemmaError(f"aux.knobs.eval_puzzle_seed must be an integer, got {seed!r}")
-    return seed
+    return cfg.eval_ds.puzzle_seed
 
 
 def generate_eval_puzzles(n: int, *, seed: int) -> list[dict]:

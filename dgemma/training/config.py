@@ -163,28 +163,60 @@ class EvalConfig:
     entropy_threshold: float = 0.05
     max_canvases: int | None = None  # None: the data's num_canvases
     min_stop_prob: float = 0.0  # sampler: a stop token only where its probability reaches this (0 = argmax)
+    confidence_threshold: float = 0.9  # confidence step: commit every position with p above this
+    commit_block: int | None = None  # commit step: semi-autoregressive sub-blocks of this many positions
+    entropy_bound: float = 0.1  # entropy_bound step: bound on the accepted positions' entropies (nats)
+    stability_threshold: int = 1  # stable_confident stopping: steps the argmax canvas must stay unchanged
+    stop_confidence_threshold: float = 0.005  # stable_confident stopping: mean entropy below this (nats)
     num_examples: int = 256
     split: str | None = None  # the evaluators' split (None: the task's default, e.g. test)
     seed: int = 0
     path: str | None = None  # chat/completion tasks: the eval JSONL (None: data.path's eval.jsonl sibling)
     regex: str | None = None  # generic tasks: answer extractor with a named group 'answer'
     normalizer: str = "default"  # generic tasks: exact-match normaliser (default | none | strip | lower)
+    puzzle_seed: int = 7_919  # sudoku without data.path: seed of the generated held-out puzzles
 
     def __post_init__(self):
-        _positive(self, "batch_size", "max_canvases", "num_examples")
-        _fraction(self, "min_stop_prob")
+        _positive(self, "batch_size", "max_canvases", "num_examples", "commit_block")
+        _fraction(self, "min_stop_prob", "confidence_threshold")
+        for name in ("entropy_bound", "stop_confidence_threshold"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.stability_threshold < 0:
+            raise ValueError(f"stability_threshold must be >= 0, got {self.stability_threshold}")
         if any(n < 1 for n in self.steps):
             raise ValueError(f"steps must all be >= 1, got {self.steps}")
 
 
 @dataclass(kw_only=True)
 class AuxConfig:
-    """Small knobs. ``knobs`` is free-form (``--cfg.aux.knobs.NAME=VALUE``, value read as JSON
-    when it parses, else as a string) for experiments that should not grow the schema."""
+    """Evaluation-time overrides that are not sampler settings."""
 
     eval_num_batches: int | None = None  # cap on eval batches during training; None = all
     num_canvases: int | None = None  # eval-time canvas count override
-    knobs: dict[str, Any] = field(default_factory=dict)
+
+
+LEGACY_KNOBS = {"step.threshold": "confidence_threshold", "step.block": "commit_block", "step.bound": "entropy_bound",
+                "stop.threshold": "entropy_threshold", "stop.stability_threshold": "stability_threshold",
+                "stop.confidence_threshold": "stop_confidence_threshold", "eval_puzzle_seed": "puzzle_seed"}
+"""The free-form ``aux.knobs`` of older configs, and the typed ``eval_ds`` field each became."""
+
+
+def _upgrade_knobs(d: dict) -> dict:
+    """A saved config with ``aux.knobs`` (before typed sampler settings): each known knob moved
+    to its ``eval_ds`` field; an unknown one is refused rather than silently dropped."""
+    aux = d.get("aux")
+    if not isinstance(aux, dict) or "knobs" not in aux:
+        return d
+    knobs = aux["knobs"] or {}
+    if not isinstance(knobs, dict):
+        raise DGemmaError(f"config aux.knobs must be an object, got {knobs!r}")
+    unknown = sorted(set(knobs) - set(LEGACY_KNOBS))
+    if unknown:
+        raise DGemmaError(f"config aux.knobs.{unknown[0]} is not read any more (aux.knobs became typed eval_ds "
+                          f"fields: {', '.join(f'{k} -> eval_ds.{v}' for k, v in LEGACY_KNOBS.items())})")
+    eval_ds = {**d.get("eval_ds", {}), **{LEGACY_KNOBS[k]: v for k, v in knobs.items()}}
+    return {**d, "aux": {k: v for k, v in aux.items() if k != "knobs"}, "eval_ds": eval_ds}
 
 
 @dataclass(kw_only=True)
@@ -453,6 +485,10 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         for i, part in enumerate(parts):
             hints = _hints(cls)
             dotted = ".".join(parts[: i + 1])
+            if dotted == "aux.knobs":
+                name = ".".join(parts[i + 1:])
+                new = f"--cfg.eval_ds.{LEGACY_KNOBS[name]}=..." if name in LEGACY_KNOBS else "a typed eval_ds field"
+                raise DGemmaError(f"aux.knobs is gone: write {new} instead of {arg.partition('=')[0]}")
             if part not in hints:
                 raise _unknown_key(key, type(cfg))
             tp = hints[part]
@@ -462,15 +498,6 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
                                       f"fields, e.g. --cfg.{dotted}.{next(iter(_hints(tp)))}=...")
                 cls, node = tp, node.setdefault(part, {})
                 continue
-            if typing.get_origin(tp) is dict and i < len(parts) - 1:  # free-form knobs
-                name = ".".join(parts[i + 1:])
-                try:
-                    parsed = json.loads(value)
-                except json.JSONDecodeError:
-                    parsed = value
-                node.setdefault((part, "__dict__"), {})[name] = _check_value(
-                    parsed, typing.get_args(tp)[1] if typing.get_args(tp) else Any, key, cli=False)
-                break
             if i != len(parts) - 1:
                 raise DGemmaError(f"'{dotted}' is a value, not a section: no '{key}'")
             node[part] = _check_value(value, tp, key, cli=True)
@@ -483,9 +510,7 @@ def _apply_nested(obj, nested: dict, section: str):
         return obj
     changes = {}
     for k, v in nested.items():
-        if isinstance(k, tuple):  # dict field updated key by key
-            changes[k[0]] = {**getattr(obj, k[0]), **v}
-        elif isinstance(v, dict) and dataclasses.is_dataclass(getattr(obj, k)):
+        if isinstance(v, dict) and dataclasses.is_dataclass(getattr(obj, k)):
             changes[k] = _apply_nested(getattr(obj, k), v, f"{section}.{k}" if section else k)
         else:
             changes[k] = v
@@ -514,6 +539,8 @@ def config_from_dict(d: dict, cls: type = Config, *, _prefix: str = "", _root: t
     root = _root or cls
     if not isinstance(d, dict):
         raise DGemmaError(f"config section '{_prefix.rstrip('.') or 'config'}' must be an object, got {d!r}")
+    if cls is Config and not _prefix:
+        d = _upgrade_knobs(d)
     hints = _hints(cls)
     kwargs = {}
     for k, v in d.items():

@@ -177,7 +177,8 @@ def test_generated_sudoku_eval_set_is_held_out():
     assert [r["difficulty"] for r in recs] == ["easy", "medium", "hard"] * 3
     assert all(count_solutions(r["puzzle"]) == 1 for r in recs)
     assert len({r["puzzle"] for r in recs}) == 9
-    other = apply_overrides(Config(), ["--cfg.aux.knobs.eval_puzzle_seed=5"])
+    assert Config().eval_ds.puzzle_seed == SUDOKU_EVAL_SEED
+    other = apply_overrides(Config(), ["--cfg.eval_ds.puzzle_seed=5"])
     assert get_task("sudoku").load(other, limit=3) == generate_eval_puzzles(3, seed=5) != recs[:3]
     pool = set(SudokuStream(CharTokenizer.named("digits"), prompt_len=82, num_canvases=1, canvas_size=81,
                             seed=0).pool)
@@ -229,9 +230,9 @@ def test_max_canvases_precedence():
     assert max_canvases(apply_overrides(cfg, ["--cfg.eval_ds.max_canvases=3", "--cfg.aux.num_canvases=4"])) == 4
 
 
-def test_knobs_reach_step_and_stopping_rule(workdir, tmp_path):
-    run = load(workdir, "--cfg.eval_ds.step_type=confidence", "--cfg.aux.knobs.step.threshold=0.8",
-               "--cfg.aux.knobs.stop.confidence_threshold=0.01")
+def test_rule_settings_reach_step_and_stopping_rule(workdir, tmp_path):
+    run = load(workdir, "--cfg.eval_ds.step_type=confidence", "--cfg.eval_ds.confidence_threshold=0.8",
+               "--cfg.eval_ds.stop_confidence_threshold=0.01")
     task = get_task("sudoku")
     _, plain = harness.build_sampler(run, task, num_steps=2, step_type="confidence", temperature=0.0,
                                      early_stopping=None)
@@ -239,6 +240,9 @@ def test_knobs_reach_step_and_stopping_rule(workdir, tmp_path):
                                   early_stopping="stable_confident")
     assert plain["step_args"]["threshold"] == 0.8 and plain["stopping"] == {"rule": "none"}
     assert es["stopping"] == {"rule": "stable_confident", "stability_threshold": 1, "confidence_threshold": 0.01}
+    _, block = harness.build_sampler(load(workdir, "--cfg.eval_ds.commit_block=9"), task, num_steps=2,
+                                     step_type="commit", temperature=0.0, early_stopping=None)
+    assert block["step_args"]["block"] == 9
 
 
 def test_pinned_clues_reach_the_sampler(workdir):

@@ -23,7 +23,8 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (Entr
 
 import dgemma
 from dgemma.diffusion.corruption import UniformNoise
-from dgemma.diffusion.sampler import CanvasSampler, diffusiongemma_sampler
+from dgemma.diffusion.sampler import CanvasSampler
+from dgemma.sampling import diffusiongemma_sampler
 from dgemma.diffusion.schedules import LinearSchedule
 from dgemma.diffusion.steps import EntropyBoundStep
 from dgemma.diffusion.stopping import StableAndConfident, token_entropy

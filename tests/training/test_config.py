@@ -87,10 +87,23 @@ def test_literal_choices():
         "invalid value 'masked' for diffusion.process: expected one of 'uniform', 'absorbing'")
 
 
-def test_free_form_knobs():
-    cfg = over("--cfg.aux.knobs.ema=0.998", "--cfg.aux.knobs.note=hello world", "--cfg.aux.knobs.flag=true")
-    assert cfg.aux.knobs == {"ema": 0.998, "note": "hello world", "flag": True}
-    assert over("--cfg.aux.knobs.x=1", cfg=cfg).aux.knobs["ema"] == 0.998
+def test_aux_knobs_became_typed_fields():
+    assert err(over, "--cfg.aux.knobs.step.threshold=0.95") == (
+        "aux.knobs is gone: write --cfg.eval_ds.confidence_threshold=... instead of --cfg.aux.knobs.step.threshold")
+    assert "a typed eval_ds field" in err(over, "--cfg.aux.knobs.ema=0.9")
+    # a config.json saved with knobs still loads, each known knob in its typed field
+    d = config_to_dict(Config())
+    d["aux"]["knobs"] = {"step.threshold": 0.8, "step.block": 8, "eval_puzzle_seed": 5}
+    cfg = config_from_dict(d)
+    assert (cfg.eval_ds.confidence_threshold, cfg.eval_ds.commit_block, cfg.eval_ds.puzzle_seed) == (0.8, 8, 5)
+    d = config_to_dict(Config())
+    d["aux"]["knobs"] = {}
+    assert config_from_dict(d) == Config()
+    d["aux"]["knobs"] = {"ema": 0.99}
+    with pytest.raises(DGemmaError, match="aux.knobs.ema is not read any more"):
+        config_from_dict(d)
+    with pytest.raises(DGemmaError, match="commit_block must be >= 1"):
+        over("--cfg.eval_ds.commit_block=0")
 
 
 def test_overrides_apply_in_order_and_copy():
@@ -193,7 +206,7 @@ def test_config_file_errors(tmp_path):
 def test_round_trip_through_config_json(tmp_path):
     cfg = apply_overrides(load_config(write(tmp_path, GOOD)), [
         "--cfg.eval_ds.steps=8,16", "--cfg.lora.enabled=true", "--cfg.lora.target_modules=q_proj",
-        "--cfg.aux.knobs.ema=0.99", "--cfg.optim.clip_norm=none", "--cfg.model.self_conditioning=true"])
+        "--cfg.eval_ds.commit_block=8", "--cfg.optim.clip_norm=none", "--cfg.model.self_conditioning=true"])
     path = save_config(cfg, tmp_path / "wd")
     assert path == tmp_path / "wd" / "config.json"
     d = json.loads(path.read_text())
