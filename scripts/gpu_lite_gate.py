@@ -11,12 +11,11 @@ table and writes ``DIR/lite_gate.json`` (default ``results/gpu_lite``).
 
 It installs nothing, downloads nothing and reads no corpus: random weights, random tokens (speed
 does not depend on their values). MFU needs the device's dense BF16 peak: known device names are
-looked up (``PEAK_BF16_TFLOPS`` in dgemma/bench/lite_gate.py); ``--peak-tflops`` overrides.
+looked up (``PEAK_BF16_TFLOPS`` in dgemma/bench/common.py); ``--peak-tflops`` overrides.
 
-``--attention`` picks the training attention: ``recipe`` (default: the config's flex, called
-uncompiled as the trainer does, i.e. PyTorch's dense reference path), ``sdpa``, or
-``flex-compiled`` (``torch.compile(flex_attention)``, the fused kernel). If the recipe's flex
-fails on the GPU, the run records why and measures with sdpa.
+``--attention`` picks the training attention: ``recipe`` (default: the config's flex as the
+trainer calls it, compiled once per process on CUDA by the model) or ``sdpa``. If the recipe's
+flex fails on the GPU, the run records why and measures with sdpa.
 
 ``--smoke`` runs the same code path on the CPU with ``configs/lite_debug.py`` (and
 ``configs/lite_debug_ar.py``) in seconds: a check that the script works, not a measurement.
@@ -40,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                                                "results/gpu_lite_smoke with --smoke)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense BF16 peak of this device, TFLOP/s")
     p.add_argument("--steps", type=int, default=None, help="timed training steps (default 8; 2 with --smoke)")
-    p.add_argument("--attention", default="recipe", choices=("recipe", "sdpa", "flex-compiled"),
-                   help="training attention: the config's (flex, as the trainer calls it: uncompiled), sdpa, "
-                        "or torch.compile'd flex (default recipe)")
+    p.add_argument("--attention", default="recipe", choices=("recipe", "sdpa"),
+                   help="training attention: the config's (flex, as the trainer calls it: compiled on CUDA) or "
+                        "sdpa (default recipe)")
     p.add_argument("--smoke", action="store_true", help="configs/lite_debug.py on the CPU, in seconds")
     args = p.parse_args(argv)
 

@@ -64,6 +64,20 @@ class Budget:
         return self.left() > estimate_s
 
 
+# ------------------------------------------------------------------------------------ peaks
+# Dense (no sparsity) BF16 tensor-core peak, TFLOP/s, by device-name substring (vendor datasheets;
+# SXM parts; PCIe/NVL variants are lower: pass --peak-tflops). First match wins.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+                    "A10G": 70.0, "4090": 165.0, "3090": 71.0, "V100": 125.0, "T4": 65.0}
+
+
+def peak_tflops(device_name: str, override: float | None = None) -> float | None:
+    """The dense BF16 peak for ``device_name`` (``override`` wins; None when unknown)."""
+    if override:
+        return float(override)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
+
+
 # ------------------------------------------------------------------------------------ timing
 def synchronize(device: torch.device | str | None) -> None:
     if device is not None and torch.device(device).type == "cuda":

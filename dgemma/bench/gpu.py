@@ -1,7 +1,7 @@
 """Suite ``gpu``: the train, decode, loss and attention suites at GPU sizes, in under 8 minutes.
 
-bf16 everywhere (autocast for training, bf16 weights for decoding), FlexAttention compiled
-(``flex+compile`` in the attention suite), and ``torch.compile`` tried on the decoding model where
+bf16 everywhere (autocast for training, bf16 weights for decoding), FlexAttention compiled (the
+model's own path on CUDA), and ``torch.compile`` tried on the decoding model where
 it can help (batch 1 is kernel-launch bound). Training reports MFU, decoding tokens/s against AR
 decoding of the same weights. Each sub-suite gets a share of one overall budget; a sub-suite that
 fails is recorded with its error and the others still run.

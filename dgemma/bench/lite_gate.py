@@ -32,7 +32,7 @@ masks compute, up to tile edges); ``dense_attention=True`` counts every (query, 
 eager and SDPA back-ends multiply, which is what a FLOP counter sees on them (the test checks
 the formula against ``torch.utils.flop_counter`` that way, exactly).
 
-MFU = model FLOPs per second / the device's dense BF16 peak (:data:`PEAK_BF16_TFLOPS` by device
+MFU = model FLOPs per second / the device's dense BF16 peak (``dgemma/bench/common.py:PEAK_BF16_TFLOPS`` by device
 name, or ``--peak-tflops``).
 """
 
@@ -47,18 +47,7 @@ from pathlib import Path
 
 import torch
 
-# Dense (no sparsity) BF16 tensor-core peak, TFLOP/s, by device-name substring (vendor datasheets;
-# SXM parts; PCIe/NVL variants are lower: pass --peak-tflops). First match wins.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
-                    "A10G": 70.0, "RTX 4090": 165.0, "RTX 3090": 71.0, "V100": 125.0}
-
-
-def peak_tflops(device_name: str, override: float | None = None) -> float | None:
-    """The dense BF16 peak for ``device_name`` (``override`` wins; None when unknown)."""
-    if override:
-        return float(override)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
-
+from dgemma.bench.common import peak_tflops, synchronize
 
 def lite_step_flops(cfg, batch: int | None = None, *, first_pass: bool | None = None,
                     dense_attention: bool = False) -> dict:
@@ -126,11 +115,6 @@ def _random_batch(cfg, batch: int, device, seed: int = 0) -> dict:
             "canvas_mask": torch.ones(batch, cfg.diffusion.num_canvases, dtype=torch.bool, device=device)}
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure_training(cfg, device, *, batch: int, warmup: int, steps: int, peak: float | None, say=print) -> dict:
     """Warm-up then timed optimiser steps of Lite's real training step (``train_step`` over
     ``TrainModule``, AdamW, bf16 autocast on CUDA) on random tokens."""
@@ -154,12 +138,12 @@ def measure_training(cfg, device, *, batch: int, warmup: int, steps: int, peak: 
     for step in range(warmup + steps):
         plan = objective.plan(data, step_generator(0, step, 0, 0, 1, 1))  # the draws train_step makes
         first = module.runs_first_pass(plan)
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         out = train_step(module, [data], opt, step=step, seed=0, rank=0, world=1, clip_norm=cfg.optim.clip_norm,
                          ar_weight=cfg.diffusion.ar_loss_weight, objective=objective, autocast=autocast,
                          diffusion_weight=cfg.diffusion.diffusion_loss_weight)
-        _sync(device)
+        synchronize(device)
         dt = time.perf_counter() - t0
         losses.append(out["loss"])
         if step >= warmup:
@@ -203,7 +187,7 @@ def measure_sampling(cfg, ar_cfg, device, *, steps: tuple[int, ...], canvases: i
         torch.manual_seed(0)
         with torch.device(device):
             models[name] = DiffusionGemma(c.model).to(dtype).eval()
-        models[name].config.attn_implementation = "sdpa"  # decode shapes change every step: no flex recompiles
+        models[name].set_attention("sdpa")  # decode shapes change every step: no flex recompiles
     ids = torch.full((batch, 1), cfg.model.eos_token_id, dtype=torch.long, device=device)
     valid = torch.ones_like(ids, dtype=torch.bool)
     noise = build_noise(cfg.diffusion.process, get_schedule(cfg.diffusion.schedule), vocab_size=cfg.model.vocab_size)
@@ -214,9 +198,9 @@ def measure_sampling(cfg, ar_cfg, device, *, steps: tuple[int, ...], canvases: i
         fn()  # warm-up
         best = None
         for _ in range(max(repeats, 1)):
-            _sync(device)
+            synchronize(device)
             r = fn()
-            _sync(device)
+            synchronize(device)
             best = r if best is None or r.seconds < best.seconds else best
         return best
 
@@ -238,26 +222,11 @@ def measure_sampling(cfg, ar_cfg, device, *, steps: tuple[int, ...], canvases: i
             "attention": "sdpa", "ar": ar, "rows": rows}
 
 
-def _compiled_flex() -> None:
-    """Route the ``flex`` back-end through ``torch.compile(flex_attention)`` (the fused kernel);
-    dgemma/models/attention.py:flex_attention calls it uncompiled, PyTorch's dense reference path."""
-    import torch.nn.attention.flex_attention as fa
-
-    from dgemma.models import attention
-
-    compiled = torch.compile(fa.flex_attention)
-
-    def flex(q, k, v, mask, *, scale, softcap=None):
-        return compiled(q, k, v, block_mask=mask.block_mask(), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-    attention.ATTENTION["flex"] = flex
-
-
 def run_gate(*, smoke: bool, device: str, peak_override: float | None = None, out: str | Path | None = None,
              steps: int | None = None, attention: str = "recipe", say=print) -> dict:
     """Everything of the gate; ``smoke`` runs the same code on ``configs/lite_debug.py`` (and its AR
     twin) at a size that takes seconds on a CPU. ``attention``: ``recipe`` (the config's back-end:
-    flex, as the trainer calls it), ``sdpa``, or ``flex-compiled``. Writes ``<out>/lite_gate.json``
+    flex, as the trainer calls it: compiled once per process on CUDA) or ``sdpa``. Writes ``<out>/lite_gate.json``
     when ``out``."""
     from dgemma.training.config import load_config
 
@@ -284,15 +253,9 @@ def run_gate(*, smoke: bool, device: str, peak_override: float | None = None, ou
     n_steps = steps or (2 if smoke else 8)
     if attention == "sdpa":
         cfg.model.attn_implementation = "sdpa"
-    elif attention == "flex-compiled":
-        cfg.model.attn_implementation = "flex"
-        _compiled_flex()
     elif attention != "recipe":
-        raise ValueError(f"attention must be recipe, sdpa or flex-compiled, got {attention!r}")
+        raise ValueError(f"attention must be recipe or sdpa, got {attention!r}")
     result["attention_requested"] = attention
-    if cuda and cfg.model.attn_implementation == "flex" and attention == "recipe":
-        result["notes"].append("flex as the trainer calls it: uncompiled flex_attention, PyTorch's dense reference "
-                               "path (see docs/benchmarks.md); --attention flex-compiled times the fused kernel")
     if not cuda and cfg.model.attn_implementation == "flex":  # flex has no CPU backward
         cfg.model.attn_implementation = "sdpa"
         result["notes"].append("flex attention has no CPU backward: sdpa used")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from dgemma.bench import fixtures
 from dgemma.bench.common import (Budget, Context, add_ratio, finish, format_table, measure_interleaved, mib,
-                                 new_result, peak_memory, profile_call, ratio, share_of)
+                                 new_result, peak_memory, peak_tflops, profile_call, ratio, share_of)
 
 SIZES = {
     "quick": dict(batch=2, prompt=16, canvas=16, repeats=2, row_cap_s=4.0, bf16=False),
@@ -48,16 +48,11 @@ COLUMNS = [("name", "row"), ("impl", "impl"), ("tokens", "tok/step"), ("repeats"
            ("peak_mib", "peak MiB"), ("loss_step0", "loss@0"), ("tflop_per_step", "TFLOP/step"), ("mfu", "MFU"),
            ("speed", "x speed"), ("memory_saving", "x memory"), ("loss_rel_diff", "loss rel diff")]
 
-# Dense bf16 peak FLOP/s by device-name substring (vendor datasheets, no sparsity).
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12,
-             "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12}
-
-
 def peak_flops(device) -> float | None:
     if torch.device(device).type != "cuda":
         return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    tflops = peak_tflops(torch.cuda.get_device_name())
+    return None if tflops is None else tflops * 1e12
 
 
 # ------------------------------------------------------------------------------------ models

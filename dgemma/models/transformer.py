@@ -13,7 +13,7 @@ follow from it. ``model(input_ids)`` alone is a causal LM.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
@@ -250,6 +250,19 @@ class DiffusionGemma(nn.Module):
                 p.normal_(0.0, std)
             else:
                 p.zero_()
+
+    # -- run-time switches: they change how the same math is computed, never the weights ----------
+    def set_attention(self, name: str) -> "DiffusionGemma":
+        """Compute attention with back-end ``name`` (eager | sdpa | flex) from the next forward on."""
+        if name not in BACKENDS:
+            raise DGemmaError(f"unknown attention back-end {name!r}; choose one of {', '.join(BACKENDS)}")
+        self.config.attn_implementation = name
+        return self
+
+    def set_activation_checkpointing(self, enabled: bool) -> "DiffusionGemma":
+        """Recompute each layer's internals in backward instead of keeping them (training only)."""
+        self.config.gradient_checkpointing = bool(enabled)
+        return self
 
     # -- pieces --------------------------------------------------------------------------------
     def embed(self, input_ids: Tensor, info: TokenInfo, selfcond: Tensor | None, t: Tensor | None) -> Tensor:

@@ -185,7 +185,7 @@ def build_model(cfg: Config):
     if tokenizer.vocab_size > model.config.vocab_size:
         raise DGemmaError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has "
                           f"{model.config.vocab_size}")
-    model.config.gradient_checkpointing = cfg.train.activation_checkpointing
+    model.set_activation_checkpointing(cfg.train.activation_checkpointing)
     if cfg.lora.enabled:
         from dgemma.training.lora import apply_lora
 

@@ -167,7 +167,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     grads = []
     for ckpt in (False, True):
         model = tiny(self_conditioning=True).train()
-        model.config.gradient_checkpointing = ckpt
+        model.set_activation_checkpointing(ckpt)
         terms = objective(selfcond_prob=1.0)(model, b, torch.Generator().manual_seed(0))
         (terms.diffusion_sum / terms.diffusion_count + terms.ar_sum / terms.ar_count).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})

@@ -64,12 +64,12 @@ def test_architecture_facts(ours):
 def test_logits_match_transformers(ours, hf, backend):
     model, tok = ours
     ids = torch.tensor([tok.encode("The capital of France is a city of 2,1 million people; in 1789", add_bos=True)])
-    model.config.attn_implementation = backend
+    model.set_attention(backend)
     try:
         with torch.no_grad():
             got, ref = model(ids), hf[0](ids).logits
     finally:
-        model.config.attn_implementation = "eager"
+        model.set_attention("eager")
     diff = (got - ref).abs().max().item()
     print(f"270M {backend} fp32: max |logit diff| {diff:.2e} (max |logit| {ref.abs().max().item():.1f})")
     assert diff < 1e-4

@@ -15,7 +15,8 @@ from dgemma.errors import DGemmaError
 from dgemma.models import pretrained
 from dgemma.models.pretrained import load_pretrained, verify_sha256
 from dgemma.models.transformer import FULL, SLIDING, DiffusionGemma, ModelConfig
-from dgemma.models.weights import config_from_hf, config_to_hf, model_from_state_dict, save_hf
+from dgemma.models.hf_gemma3 import config_from_hf, config_to_hf
+from dgemma.models.weights import model_from_state_dict, save_hf
 
 S, F = SLIDING, FULL
 TINY = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
