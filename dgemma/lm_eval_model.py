@@ -56,7 +56,22 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from dgemma import load_pretrained
+from dgemma.data.sudoku import parse_puzzle
+from dgemma.device import resolve_dtype
+from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
+from dgemma.diffusion.objective import batch_info
+from dgemma.diffusion.schedules import get_schedule
+from dgemma.diffusion.shift import before_indices, shift_to_canvas
 from dgemma.errors import DGemmaError
+from dgemma.eval.lite import alpha_and_derivative, uniform_rate_terms
+from dgemma.models.kv_cache import KVCache
+from dgemma.models.masks import TokenInfo
+from dgemma.models.selfcond import expected_embedding
+from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases
+from dgemma.tasks.sudoku import puzzle_hint
+from dgemma.training.runs import load_run
+from dgemma.training.trainer import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +82,6 @@ GEN_KEYS = {"until", "max_gen_toks", "temperature", "do_sample", "top_p", "top_k
 
 
 def _seeded(*parts: int) -> torch.Generator:
-    from dgemma.training.trainer import derive_seed
-
     return torch.Generator().manual_seed(derive_seed(*parts))
 
 
@@ -100,9 +113,6 @@ class DGemmaLM(TemplateLM):
         self.source = run or pretrained
         self.cfg = None
         if run is not None:
-            from dgemma.sampling import max_canvases
-            from dgemma.training.runs import load_run
-
             r = load_run(run, step=step, device=self.device_, dtype=dtype)
             self.cfg, self.model, self.tok, self.noise = r.cfg, r.model, r.tokenizer, r.noise()
             e, d = r.cfg.eval_ds, r.cfg.diffusion
@@ -114,11 +124,6 @@ class DGemmaLM(TemplateLM):
             if self.pin_clues and r.cfg.data.task != "sudoku":
                 raise DGemmaError(f"pin_clues is for Sudoku runs; this run's task is {r.cfg.data.task!r}")
         else:
-            from dgemma import load_pretrained
-            from dgemma.device import resolve_dtype
-            from dgemma.diffusion.corruption import UniformNoise
-            from dgemma.diffusion.schedules import get_schedule
-
             model, self.tok = load_pretrained(pretrained)
             if self.tok is None:
                 raise DGemmaError(f"{pretrained} has no tokenizer.json: the harness needs one")
@@ -139,8 +144,6 @@ class DGemmaLM(TemplateLM):
         self.positions = self.model.config.max_position_embeddings
         if self.canvases < 1 or self.steps < 1:
             raise DGemmaError(f"canvases and steps must be >= 1, got {self.canvases} and {self.steps}")
-        from dgemma.sampling import build_rules
-
         build_rules(self._settings_for(self.temperature, 1.0, 1), self.noise)  # bad settings fail here, not mid-run
         self._warned: set[str] = set()
         log.warning(ELBO_NOTE.format(mc=self.mc_samples))
@@ -218,8 +221,6 @@ class DGemmaLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
     def _settings_for(self, temperature: float, top_p: float, canvases: int):
-        from dgemma.sampling import SamplerConfig
-
         return SamplerConfig(num_steps=self.steps, step_type=self.step_type, temperature=temperature,
                              early_stopping=self.early_stopping or "none", entropy_threshold=self.entropy_threshold,
                              max_canvases=canvases, top_p=top_p,
@@ -247,8 +248,6 @@ class DGemmaLM(TemplateLM):
     def _hints(self, contexts: list[str], width: int) -> torch.Tensor | None:
         if not self.pin_clues:
             return None
-        from dgemma.data.sudoku import parse_puzzle
-        from dgemma.tasks.sudoku import puzzle_hint
 
         rows = []
         for text in contexts:
@@ -280,8 +279,6 @@ class DGemmaLM(TemplateLM):
                        top_p: float = 1.0) -> list[list[int]]:
         """Sampled tokens for each context, row ``j`` seeded by ``(seed, indices[j])``, cut at
         ``max_toks`` (and after a stop token). The batch is sampled in one sampler call."""
-        from dgemma.sampling import build_sampler
-
         c = self.canvas_size
         canvases = min(math.ceil(max_toks / c), self.canvases)
         canvases = min(canvases, (self.positions - 1) // c)
@@ -367,12 +364,6 @@ class DGemmaLM(TemplateLM):
 
     @torch.no_grad()
     def _elbo_batch(self, items) -> list[tuple[float, bool]]:
-        from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
-        from dgemma.diffusion.objective import batch_info
-        from dgemma.eval.lite import alpha_and_derivative, uniform_rate_terms
-        from dgemma.models.kv_cache import KVCache
-        from dgemma.models.masks import TokenInfo
-
         c, dev, noise, model = self.canvas_size, self.device_, self.noise, self.model
         contexts, conts = [], []
         for ctx, cont, _ in items:
@@ -401,8 +392,6 @@ class DGemmaLM(TemplateLM):
         enc = model(ids[:, :keep], info=info[:, :keep], cache=cache, return_hidden=True)
         align = None
         if model.config.shift_logits:  # each canvas's first token is predicted by the state before it
-            from dgemma.diffusion.shift import before_indices, shift_to_canvas
-
             at = before_indices(prompt_valid, torch.arange(n_canvas, device=dev).expand(len(items), -1), c)
             before = enc.gather(1, at[..., None].expand(-1, -1, enc.shape[-1]))
 
@@ -456,8 +445,6 @@ class DGemmaLM(TemplateLM):
         """Final hidden states of the noisy canvases against the cached clean prefix, with the
         two-pass self-conditioning of sampling when the model has it (as ``dgemma/eval/lite.py``);
         ``align`` maps them to the states predicting each position (``shift_logits``)."""
-        from dgemma.models.selfcond import expected_embedding
-
         model = self.model
         align = align or (lambda h: h)
         h = align(model(xt, info=noisy, cache=cache, t=t, return_hidden=True))

@@ -32,11 +32,16 @@ import torch
 from dgemma.bench import fixtures
 from dgemma.bench.common import (Budget, Context, add_ratio, finish, format_table, measure, new_result,
                                  profile_call, ratio, share_of)
+from dgemma.bench.common import synchronize
+from dgemma.data.sft import encode_prompts
 from dgemma.diffusion.corruption import UniformNoise
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
+from dgemma.eval.harness import clue_hints
 from dgemma.sampling import SamplerConfig, build_sampler
+from dgemma.tasks import get_task
+from dgemma.tasks.sudoku import generate_eval_puzzles
 
 STEP_TYPES = ("ddim", "commit", "confidence")
 STEP_TEMPERATURE = {s: STEPS[s].default_temperature for s in STEP_TYPES}  # each rule's own default
@@ -64,8 +69,6 @@ SUDOKU_COLUMNS = COLUMNS[:-1] + [("accuracy", "acc"), ("cell_accuracy", "cell ac
 
 
 def _sync_time(fn, device):
-    from dgemma.bench.common import synchronize
-
     synchronize(device)
     t0 = time.perf_counter()
     out = fn()
@@ -400,12 +403,7 @@ class LMDecode:
 # ------------------------------------------------------------------------------------ Sudoku
 def _hint_fn(run, width: int, device):
     """``records -> [B, width] pinned tokens or None``, as the eval harness makes them (Sudoku clues
-    for a run trained with ``data.pin_clues``); never pins on a library without the hook."""
-    try:
-        from dgemma.eval.harness import clue_hints
-    except ImportError:
-        return lambda records: None
-
+    for a run trained with ``data.pin_clues``)."""
     def make(records):
         h = clue_hints(run, records, width)
         return None if h is None else h.to(device)
@@ -418,10 +416,7 @@ def _hints_kw(pins) -> dict:
 
 def _bench_sudoku(ctx: Context, result: dict, budget: Budget, sz: dict, run=None) -> list[dict]:
     """The trained Sudoku model: speed and accuracy per sampler setting, AR and generate baselines."""
-    from dgemma.data.sft import encode_prompts
     from dgemma.eval import harness  # the run's own sampler, as dgemma eval builds it
-    from dgemma.tasks import get_task
-    from dgemma.tasks.sudoku import generate_eval_puzzles
 
     if run is None:
         run, why = fixtures.sudoku_run(ctx)

@@ -18,7 +18,11 @@ from pathlib import Path
 import torch
 
 from dgemma.bench.common import Context
+from dgemma.errors import DGemmaError
+from dgemma.models.pretrained import GEMMA3_270M, cache_root, load_pretrained, prepare_gemma3_270m
 from dgemma.models.transformer import DiffusionGemma, ModelConfig
+from dgemma.models.weights import save_hf
+from dgemma.training.runs import load_run
 
 DEFAULT_SUDOKU_WORKDIR = "checkpoints/sudoku_small"
 
@@ -57,8 +61,6 @@ def _seeded_model(cfg: ModelConfig, seed: int = 0) -> DiffusionGemma:
 def weights_available(ctx: Context) -> str | None:
     """None when the 270M can be loaded here, else why not. With ``ctx.allow_convert`` False (the
     GPU script) a missing cache is not built: the conversion alone would take most of its budget."""
-    from dgemma.models.pretrained import GEMMA3_270M, cache_root
-
     if (cache_root() / GEMMA3_270M / "dgemma_cache.json").is_file():
         return None
     try:
@@ -79,8 +81,6 @@ def load_270m(ctx: Context, *, dtype=torch.float32, self_conditioning: bool = Fa
     key = ("270m", str(dtype), self_conditioning, ctx.device)
     if key in ctx.cache:
         return ctx.cache[key]
-    from dgemma.errors import DGemmaError
-    from dgemma.models.pretrained import load_pretrained
 
     try:
         if (why := weights_available(ctx)) is not None:
@@ -112,13 +112,9 @@ def hf_twin(ctx: Context, model: DiffusionGemma, source: str, *, dtype=torch.flo
         ctx.cache[ck] = None
         return None
     if source == "gemma3-270m":
-        from dgemma.models.pretrained import prepare_gemma3_270m
-
         folder = prepare_gemma3_270m()
         hf = Gemma3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     else:
-        from dgemma.models.weights import save_hf
-
         with tempfile.TemporaryDirectory() as tmp:
             save_hf(model, None, Path(tmp))
             hf = Gemma3ForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa")
@@ -158,9 +154,6 @@ def sudoku_run(ctx: Context):
         out = (None, f"no trained Sudoku run at {workdir} (no config.json); pass --sudoku-workdir DIR "
                      f"(a workdir trained with configs/sudoku_small.py) to add accuracy next to speed")
     else:
-        from dgemma.errors import DGemmaError
-        from dgemma.training.runs import load_run
-
         try:
             out = (load_run(workdir, device=ctx.device), None)
         except DGemmaError as e:

@@ -17,7 +17,12 @@ import traceback
 
 import torch
 
-from dgemma.bench.common import Budget, Context, add_ratio, finish, format_table, new_result, ratio
+from dgemma.bench import attention, decode, fixtures, loss, train
+from dgemma.bench.common import Budget, Context, add_ratio, finish, format_table, measure, new_result, ratio
+from dgemma.bench.decode import _diffusion_sampler
+from dgemma.diffusion.corruption import UniformNoise
+from dgemma.diffusion.sampler import ar_generate
+from dgemma.diffusion.schedules import get_schedule
 
 TOTAL_BUDGET_S = 420.0  # leaves ~1 minute of the 8 for start-up, model loading and writing
 ORDER = (("train", 0.22), ("decode", 0.38), ("attention", 0.27), ("loss", 0.13))
@@ -26,12 +31,6 @@ ORDER = (("train", 0.22), ("decode", 0.38), ("attention", 0.27), ("loss", 0.13))
 def _compiled_decode(ctx: Context, result: dict, budget: Budget) -> None:
     """AR and diffusion decoding at batch 1 through ``torch.compile``d model calls, against the
     uncompiled ones measured in the same process (best effort: a failure is a note)."""
-    from dgemma.bench import fixtures
-    from dgemma.bench.common import measure
-    from dgemma.bench.decode import _diffusion_sampler
-    from dgemma.diffusion.corruption import UniformNoise
-    from dgemma.diffusion.sampler import ar_generate
-    from dgemma.diffusion.schedules import get_schedule
 
     if not budget.allows(90):
         result["skipped"].append("compiled decoding (time budget)")
@@ -73,8 +72,6 @@ def _compiled_decode(ctx: Context, result: dict, budget: Budget) -> None:
 
 
 def run(ctx: Context) -> dict:
-    from dgemma.bench import attention, decode, loss, train
-
     started = time.perf_counter()
     result = new_result("gpu", ctx)
     device = ctx.device if torch.device(ctx.device).type == "cuda" else "cuda"

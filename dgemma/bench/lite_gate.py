@@ -48,6 +48,14 @@ from pathlib import Path
 import torch
 
 from dgemma.bench.common import peak_tflops, synchronize
+from dgemma.diffusion.corruption import build_noise
+from dgemma.diffusion.sampler import ar_generate
+from dgemma.diffusion.schedules import get_schedule
+from dgemma.eval.lite import analytic_tokens_per_forward
+from dgemma.models.transformer import DiffusionGemma
+from dgemma.sampling import SamplerConfig, build_sampler
+from dgemma.training.config import load_config
+from dgemma.training.trainer import TrainModule, build_objective, build_optimizer, step_generator, train_step
 
 def lite_step_flops(cfg, batch: int | None = None, *, first_pass: bool | None = None,
                     dense_attention: bool = False) -> dict:
@@ -120,8 +128,6 @@ def measure_training(cfg, device, *, batch: int, warmup: int, steps: int, peak: 
     ``TrainModule``, AdamW, bf16 autocast on CUDA) on random tokens."""
     from contextlib import nullcontext
 
-    from dgemma.models.transformer import DiffusionGemma
-    from dgemma.training.trainer import TrainModule, build_objective, build_optimizer, step_generator, train_step
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -174,12 +180,6 @@ def measure_sampling(cfg, ar_cfg, device, *, steps: tuple[int, ...], canvases: i
     """The ``commit`` sampler (random Lite weights, SDPA, bf16 on CUDA) at each step count against
     greedy ``ar_generate`` with the KV cache of the random AR baseline, ``canvases x C`` new tokens
     per row from a one-token prompt, no stop tokens; the fastest of ``repeats`` after a warm-up."""
-    from dgemma.diffusion.corruption import build_noise
-    from dgemma.diffusion.sampler import ar_generate
-    from dgemma.diffusion.schedules import get_schedule
-    from dgemma.eval.lite import analytic_tokens_per_forward
-    from dgemma.sampling import SamplerConfig, build_sampler
-    from dgemma.models.transformer import DiffusionGemma
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     models = {}
@@ -228,8 +228,6 @@ def run_gate(*, smoke: bool, device: str, peak_override: float | None = None, ou
     twin) at a size that takes seconds on a CPU. ``attention``: ``recipe`` (the config's back-end:
     flex, as the trainer calls it: compiled once per process on CUDA) or ``sdpa``. Writes ``<out>/lite_gate.json``
     when ``out``."""
-    from dgemma.training.config import load_config
-
     started = time.perf_counter()
     name = "lite_debug" if smoke else "lite_343m"
     configs = Path(__file__).resolve().parents[2] / "configs"  # this checkout's, wherever the caller runs
@@ -243,8 +241,6 @@ def run_gate(*, smoke: bool, device: str, peak_override: float | None = None, ou
               "device": device, "device_name": device_name, "peak_bf16_tflops": peak,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
               "parameters": None, "notes": []}
-    from dgemma.models.transformer import DiffusionGemma
-
     with torch.device("meta"):
         result["parameters"] = DiffusionGemma(cfg.model).num_parameters()
         result["ar_parameters"] = DiffusionGemma(ar_cfg.model).num_parameters()

@@ -22,6 +22,8 @@ import torch
 
 from dgemma.bench import fixtures
 from dgemma.bench.common import Context, add_ratio, finish, format_table, measure_interleaved, new_result
+from dgemma.models.kv_cache import KVCache
+from dgemma.models.masks import TokenInfo
 
 CANVASES = (1, 16, 32, 64, 128, 256)
 PROMPT = 64
@@ -32,8 +34,6 @@ COLUMNS = [("impl", "impl"), ("dtype", "dtype"), ("canvas", "C"), ("repeats", "n
 def _dgemma_forward(model, prompt_ids: torch.Tensor, c: int):
     """The timed call: one noisy canvas of ``c`` tokens against the prefilled cache (C = 1: the
     AR step, a clean token written at the cursor and rolled back)."""
-    from dgemma.models.kv_cache import KVCache
-    from dgemma.models.masks import TokenInfo
 
     p = prompt_ids.shape[1]
     cache = KVCache(1, p + max(CANVASES))

@@ -35,6 +35,16 @@ import torch.nn.functional as F
 from dgemma.bench import fixtures
 from dgemma.bench.common import (Budget, Context, add_ratio, finish, format_table, measure_interleaved, mib,
                                  new_result, peak_memory, peak_tflops, profile_call, ratio, share_of)
+from dgemma.diffusion.corruption import UniformNoise
+from dgemma.diffusion.losses import ar_loss
+from dgemma.diffusion.objective import DiffusionObjective, batch_info
+from dgemma.diffusion.schedules import get_schedule
+from dgemma.errors import DGemmaError
+from dgemma.models.masks import dense_mask
+from dgemma.models.pretrained import load_pretrained, prepare_gemma3_270m
+from dgemma.models.weights import save_hf
+from dgemma.training.lora import DECODER_LINEARS, apply_lora, merge_lora
+from dgemma.training.trainer import TrainModule, step_generator, train_step
 
 SIZES = {
     "quick": dict(batch=2, prompt=16, canvas=16, repeats=2, row_cap_s=4.0, bf16=False),
@@ -58,16 +68,11 @@ def peak_flops(device) -> float | None:
 # ------------------------------------------------------------------------------------ models
 def _dgemma_model(ctx: Context, tiny_model=None):
     """A fresh dgemma 270M (LoRA is injected in place, so never the decode suite's shared copy)."""
-    from dgemma.training.lora import apply_lora
-
     if tiny_model is not None:
         import copy
 
         model, tok, source = copy.deepcopy(tiny_model), None, "tiny-random"
     else:
-        from dgemma.errors import DGemmaError
-        from dgemma.models.pretrained import load_pretrained
-
         try:
             if (why := fixtures.weights_available(ctx)) is not None:
                 raise DGemmaError(why)
@@ -86,16 +91,10 @@ def _hf_model(ctx: Context, dgemma_model, source: str):
     from peft import LoraConfig, get_peft_model
     from transformers import Gemma3ForCausalLM
 
-    from dgemma.training.lora import DECODER_LINEARS, merge_lora
-
     if source == "gemma3-270m":
-        from dgemma.models.pretrained import prepare_gemma3_270m
-
         hf = Gemma3ForCausalLM.from_pretrained(prepare_gemma3_270m(), dtype=torch.float32, attn_implementation="sdpa")
     else:  # the same random base: export a LoRA-free copy of ours
         import copy
-
-        from dgemma.models.weights import save_hf
 
         base = merge_lora(copy.deepcopy(dgemma_model).cpu())  # B = 0: merging leaves the base weights
         with tempfile.TemporaryDirectory() as tmp:
@@ -121,9 +120,6 @@ def _batch(tok, vocab: int, sz: dict, device) -> dict:
 def _hf_diffusion_inputs(objective, batch: dict, canvas: int, window: int | None):
     """The objective's own draws for seed 0, step 0 (as ``train_step`` makes them) laid out as one
     sequence ``[prompt | canvas | corrupted canvas]`` with per-layer-type 4-D boolean masks."""
-    from dgemma.diffusion.objective import batch_info
-    from dgemma.models.masks import dense_mask
-    from dgemma.training.trainer import step_generator
 
     cpu = {k: v.cpu() for k, v in batch.items()}
     plan = objective.plan(cpu, step_generator(0, 0, 0, 0, 1, 1))
@@ -137,8 +133,6 @@ def _hf_diffusion_inputs(objective, batch: dict, canvas: int, window: int | None
 
 # ------------------------------------------------------------------------------------ steps
 def _dgemma_causal(model, ids, valid, opt, autocast):
-    from dgemma.diffusion.losses import ar_loss
-
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
@@ -168,8 +162,6 @@ def _hf_causal(hf, ids, valid, opt, autocast):
 
 
 def _dgemma_diffusion(model, objective, batch, opt, autocast):
-    from dgemma.training.trainer import TrainModule, train_step
-
     module = TrainModule(model, objective)
 
     def step():
@@ -219,10 +211,6 @@ def _warm(fn, device) -> dict:
 
 # ------------------------------------------------------------------------------------ suite
 def run(ctx: Context) -> dict:
-    from dgemma.diffusion.corruption import UniformNoise
-    from dgemma.diffusion.objective import DiffusionObjective
-    from dgemma.diffusion.schedules import get_schedule
-
     started = time.perf_counter()
     sz = SIZES[ctx.profile]
     budget = Budget(ctx.budget_s if ctx.budget_s is not None else BUDGET_S[ctx.profile])

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from dgemma.data.sft import DataOrder
+from dgemma.data.tokenizers import Tokenizer as Wrapper, load_tokenizer
 from dgemma.errors import DGemmaError
 from dgemma.models.pretrained import resolve
 
@@ -290,8 +291,6 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 50257, *, out_pa
     tok.train_from_iterator(capped(), trainer=trainer)
     for i, name in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(name) == i, (name, tok.token_to_id(name))
-    from dgemma.data.tokenizers import Tokenizer as Wrapper
-
     Wrapper(tok, {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
                   "mask_token": "<mask>"}).save(folder)
     return tok
@@ -323,8 +322,6 @@ def _init_worker(tokenizer_path: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one Rust thread per worker process
     torch.set_num_threads(1)
     global _WORKER_TOKENIZER
-    from dgemma.data.tokenizers import load_tokenizer
-
     _WORKER_TOKENIZER = load_tokenizer(tokenizer_path)
 
 
@@ -470,8 +467,6 @@ def prepare_corpus(inputs: str | Path | Sequence[str | Path], *, tokenizer: str 
         tok_path = out_dir / "tokenizer" / "tokenizer.json"
     else:
         tok_path = _tokenizer_file(tokenizer)
-    from dgemma.data.tokenizers import load_tokenizer
-
     tok = load_tokenizer(tok_path)
     if tok.eos_id is None:
         raise DGemmaError(f"tokenizer {tok_path} has no eos token; documents need one as separator")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dgemma.data.chat import encode_prompt_text, render_prompt
 from dgemma.data.chunker import Canvases, chunk_response, collate_canvases
 from dgemma.errors import DGemmaError
 
@@ -54,8 +55,6 @@ def encode_prompt(tokenizer, record: dict, prompt_len: int) -> tuple[list[int], 
     The text is :func:`dgemma.data.chat.render_prompt`'s: a pre-rendered ``prompt_text``, a chat
     ``history``, or one user turn ``prompt`` (+ ``system``).
     """
-    from dgemma.data.chat import encode_prompt_text, render_prompt
-
     return encode_prompt_text(tokenizer, render_prompt(tokenizer, record), prompt_len)
 
 

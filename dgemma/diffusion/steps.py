@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dgemma.diffusion.corruption import NoiseProcess, UniformNoise
-from dgemma.diffusion.schedules import Schedule
+from dgemma.diffusion.schedules import Schedule, time_grid
 from dgemma.diffusion.stopping import token_entropy
 from dgemma.errors import DGemmaError
 
@@ -215,8 +215,6 @@ class CommitStep(StepRule):
         """Denoising passes a canvas of ``width`` free positions takes on this pace without early
         stopping: the sampler ends a canvas once every position is committed, which on a
         front-loaded schedule (cosine) can come before step ``num_steps``."""
-        from dgemma.diffusion.schedules import time_grid
-
         grid = time_grid(num_steps)
         for i in range(num_steps - 1):
             if math.ceil(float(schedule.alpha(grid[i + 1])) * width - 1e-6) >= width:

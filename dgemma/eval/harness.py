@@ -33,11 +33,12 @@ from pathlib import Path
 
 import torch
 
-from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.data.sft import encode_prompts
+from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.errors import DGemmaError
-from dgemma.tasks import get_task
+from dgemma.eval.visualize import visualize_example
 from dgemma.sampling import build_sampler as build, eval_settings, max_canvases
+from dgemma.tasks import get_task
 
 EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?sample_ar_steps(?P<steps>\d+)(?P<es>_early_stopping)?$")
 AR_EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?ar_greedy$")
@@ -343,8 +344,6 @@ def _scalars(tb, tb_dir: Path, eval_name: str, step: int, values: dict) -> None:
 
 
 def _visualize(run, task, gen: Generation, sampler: CanvasSampler, out: Path, step: int) -> None:
-    from dgemma.eval.visualize import visualize_example
-
     for i, traj in sorted(gen.trajectories.items()):
         visualize_example(task.viz, traj, gen.tokens[i], run.tokenizer, out / f"step_{step}_ex{i}",
                           canvas_size=sampler.canvas_size, stop_ids=sampler.stop_ids,

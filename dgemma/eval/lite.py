@@ -84,8 +84,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dgemma.data.corpus import CorpusData
 from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
+from dgemma.diffusion.objective import batch_info
+from dgemma.diffusion.sampler import ar_generate
+from dgemma.diffusion.steps import CommitStep
 from dgemma.errors import DGemmaError
+from dgemma.models.kv_cache import KVCache
+from dgemma.models.masks import TokenInfo
+from dgemma.models.selfcond import expected_embedding
+from dgemma.sampling import SamplerConfig, build_sampler
+from dgemma.training.trainer import build_objective, derive_seed
 
 EVAL_NAME = "lm"
 GEN_STEPS = (8, 16, 32, 64)
@@ -167,8 +176,6 @@ def nelbo_cell(logits: Tensor, x0: Tensor, xt: Tensor, noise, t_lo: float, t_hi:
 # ------------------------------------------------------------------------------------- data
 def val_batches(run, *, windows: int, batch_size: int) -> list[dict]:
     """Up to ``windows`` windows of the corpus ``val`` split, evenly spaced over it, batched."""
-    from dgemma.data.corpus import CorpusData
-
     cfg = run.cfg
     if cfg.data.task != "corpus" or not cfg.data.path:
         raise DGemmaError(f"the lm evaluation reads a prepared corpus (data.task='corpus' and data.path), this run "
@@ -183,8 +190,6 @@ def val_batches(run, *, windows: int, batch_size: int) -> list[dict]:
 
 
 def _batch_seed(seed: int, *parts: int) -> torch.Generator:
-    from dgemma.training.trainer import derive_seed
-
     return torch.Generator().manual_seed(derive_seed(seed, *parts))
 
 
@@ -193,8 +198,6 @@ def _batch_seed(seed: int, *parts: int) -> torch.Generator:
 def validation_loss(run, batches: list[dict], *, seed: int = 0) -> dict:
     """The training objective on ``batches`` with plans seeded by ``(seed, batch)``: mean
     diffusion cross-entropy (nats/token) and, where the run trains it, the AR next-token NLL."""
-    from dgemma.training.trainer import build_objective
-
     obj = build_objective(run.cfg, run.model, run.tokenizer)
     sums = torch.zeros(4, dtype=torch.float64)
     for k, batch in enumerate(batches):
@@ -213,13 +216,8 @@ def validation_loss(run, batches: list[dict], *, seed: int = 0) -> dict:
 def _decode_all(model, batch: dict, xt: Tensor, t: Tensor, canvas_size: int, selfcond: bool) -> Tensor:
     """Final hidden states ``[B, N*C, d]`` of every canvas decoded from ``xt`` at time ``t``
     against its clean prefix (the training forward of ``decode="all"``)."""
-    from dgemma.diffusion.objective import batch_info
-
     if model.config.shift_logits:  # Lite is trained from scratch and never shifted
         raise DGemmaError("the NELBO of dgemma/eval/lite.py does not support shift_logits models")
-    from dgemma.models.kv_cache import KVCache
-    from dgemma.models.masks import TokenInfo
-    from dgemma.models.selfcond import expected_embedding
 
     p = batch["prompt_ids"].shape[1]
     clean = batch_info(batch, canvas_size)
@@ -286,8 +284,6 @@ def analytic_tokens_per_forward(canvas_size: int, num_steps: int, canvases: int,
     is a prompt), ``M T'`` denoising passes and ``M - 1`` re-encodes, where ``T'`` is ``T`` or,
     given the commit step's ``schedule``, the pass after which it has committed every position
     (``dgemma/diffusion/steps.py:CommitStep.passes``)."""
-    from dgemma.diffusion.steps import CommitStep
-
     passes = num_steps if schedule is None else CommitStep.passes(schedule, num_steps, canvas_size)
     return canvases * canvas_size / ((1 if prompt_len else 0) + canvases * passes + canvases - 1)
 
@@ -295,8 +291,6 @@ def analytic_tokens_per_forward(canvas_size: int, num_steps: int, canvases: int,
 def _sampler(run, num_steps: int, rule: str | None, canvases: int):
     """Greedy ``commit`` steps, the self-conditioning signal and the stopping entropy at
     ``eval_ds.temperature`` (1 if that is 0), no stop tokens: every row fills all its canvases."""
-    from dgemma.sampling import SamplerConfig, build_sampler
-
     cfg = run.cfg
     t = cfg.eval_ds.temperature
     return build_sampler(SamplerConfig(num_steps=num_steps, step_type="commit", temperature=0.0,
@@ -318,8 +312,6 @@ def generation_speed(run, *, steps=GEN_STEPS, adaptive=ADAPTIVE, adaptive_steps:
     each fixed step count and with each adaptive stopping rule (at most ``adaptive_steps``), and
     greedy AR decoding with the KV cache of ``ar_run``'s model (default: the same weights).
     Timings are the fastest of ``repeats`` runs after an untimed warm-up."""
-    from dgemma.diffusion.sampler import ar_generate
-
     ids, valid = _prompt(run, batch)
     n_new = canvases * run.cfg.diffusion.canvas_size
     ar_model = (ar_run or run).model

@@ -51,9 +51,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from dgemma.data.sft import encode_prompts
 from dgemma.data.sudoku import _UNITS, grid_error, parse_puzzle
 from dgemma.errors import DGemmaError
-from dgemma.tasks.sudoku import SYSTEM_PROMPT, format_prompt
+from dgemma.eval.harness import build_sampler
+from dgemma.tasks import get_task
+from dgemma.tasks.sudoku import SYSTEM_PROMPT, format_prompt, puzzle_hint
 
 DEFAULT_ROUNDS = 8
 """Default ``--rounds`` (measured: checkpoints/sudoku_small/README.md, "Verified solving")."""
@@ -284,8 +287,6 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
     if sampler.canvas_size * sampler.max_canvases < 81:
         raise DGemmaError(f"the sampler's canvas holds {sampler.canvas_size * sampler.max_canvases} tokens; "
                           "a Sudoku board needs 81")
-    from dgemma.tasks.sudoku import puzzle_hint
-    from dgemma.data.sft import encode_prompts
 
     puzzles = [parse_puzzle(p) for p in puzzles]
     digit_ids = _digit_ids(tokenizer)
@@ -368,8 +369,6 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
 
 def run_sampler(run, *, num_steps: int = 81, step_type: str = "commit", temperature: float = 0.0):
     """The sampler ``dgemma solve`` uses for a run: greedy, no early stopping."""
-    from dgemma.eval.harness import build_sampler
-    from dgemma.tasks import get_task
 
     sampler, _ = build_sampler(run, get_task("sudoku"), num_steps=num_steps, step_type=step_type,
                                temperature=temperature, early_stopping=None)
@@ -424,8 +423,6 @@ def evaluate_verified(run, task="sudoku", *, rounds: int = DEFAULT_ROUNDS, recor
       ``examples``: one dict per record for a ``step_<S>.jsonl`` (pop it before writing the
       summary JSON).
     """
-    from dgemma.tasks import get_task
-
     cfg, e = run.cfg, run.cfg.eval_ds
     task = (get_task(task) if isinstance(task, str) else task).configure(cfg)
     if task.name != "sudoku":

@@ -28,6 +28,7 @@ from torch import Tensor
 from dgemma.errors import DGemmaError
 from dgemma.models.hf_gemma4 import (DIFFUSION_GEMMA_TYPE, GEMMA4_TYPES, image_token_ids, keep_checkpoint_design,
                                      load_gemma4_folder)
+from dgemma.data.tokenizers import Tokenizer
 from dgemma.models.hf_gemma3 import config_from_hf, config_to_hf
 from dgemma.models.transformer import DiffusionGemma, ModelConfig
 
@@ -224,8 +225,6 @@ def _load_folder(folder: Path, dtype, attn_implementation, overrides):
 
 def _folder_tokenizer(folder: Path):
     """The folder's ``tokenizer.json`` as a Tokenizer, or None."""
-    from dgemma.data.tokenizers import Tokenizer
-
     return Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
 
 
@@ -248,8 +247,6 @@ def _dgemma_config(path: Path, hf_cfg: ModelConfig) -> ModelConfig:
 # ------------------------------------------------------------------------------------- GGUF
 def _read_gguf(path: Path):
     """Dequantise a Gemma 3 GGUF through transformers: ``(config, fp32 tensors, tokenizer)``."""
-    from dgemma.data.tokenizers import Tokenizer
-
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise DGemmaError(f"{path} is not a GGUF file (bad magic bytes)")

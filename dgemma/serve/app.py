@@ -53,7 +53,9 @@ from dgemma.serve.engine import (OPENAI_PREFIX, PRETRAINED, STATIC, SUDOKU_HINT,
                                  Limits, ModelSlot, ServeError, SolveRequest, TextRequest, _bad, _validation_message,
                                  encode_user_prompt, error_response, load_engine, make_plan, solve_work, start_job,
                                  stop_all_jobs, stream_job, sudoku_hints, text_work)
+from dgemma.data.sudoku import generate_puzzles, parse_puzzle
 from dgemma.serve.openai_api import router, validation_error
+from dgemma.tasks.sudoku import SYSTEM_PROMPT, format_prompt
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +139,6 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
 
     @app.get("/api/sudoku/random")
     def random_puzzle(difficulty: str = "medium", seed: int | None = Query(None, ge=0, le=2**63 - 1)):
-        from dgemma.data.sudoku import generate_puzzles
-
         if difficulty not in ("easy", "medium", "hard"):
             return _bad(f"difficulty must be easy, medium or hard, got {difficulty!r}")
         seed = random.randrange(2**31) if seed is None else seed
@@ -151,9 +151,6 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
 
     @app.post("/api/sudoku/solve")
     async def solve(req: SolveRequest):
-        from dgemma.data.sudoku import parse_puzzle
-        from dgemma.tasks.sudoku import SYSTEM_PROMPT, format_prompt
-
         try:
             puzzle = parse_puzzle(req.puzzle)
         except DGemmaError as e:

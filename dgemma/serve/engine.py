@@ -32,9 +32,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from dgemma.data.chat import render_prompt
+from dgemma.data.sudoku import count_clues, grid_error
+from dgemma.device import resolve_dtype
+from dgemma.diffusion.corruption import UniformNoise
+from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
 from dgemma.diffusion.stopping import STOPPING
 from dgemma.errors import DGemmaError
+from dgemma.eval.visualize import Frame, sudoku_cells, token_piece
+from dgemma.models.pretrained import load_pretrained
+from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases
+from dgemma.tasks import get_task, response_stop_ids
+from dgemma.tasks.sudoku import extract_digits
+from dgemma.training.config import load_config
+from dgemma.training.runs import load_run
+from dgemma.training.trainer import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +155,10 @@ class Engine:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        from dgemma.tasks import response_stop_ids
-
         return response_stop_ids(self.tokenizer)
 
 
 def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
-    from dgemma.diffusion.steps import STEPS
-    from dgemma.sampling import max_canvases
-
     e = cfg.eval_ds
     defaults = {"step_type": e.step_type if e.step_type in STEPS else "commit",
                 "num_steps": min(e.steps[0], limits.max_steps),
@@ -222,8 +230,6 @@ class ModelSlot:
             raise DGemmaError(f"no {self.role} model is configured" + (f": {self.hint}" if self.hint else ""))
         src = Path(self.source)
         if is_run(src):
-            from dgemma.training.config import load_config
-
             self._info = _run_info(src, load_config(src / "config.json"), self.limits)
         elif self.source == PRETRAINED or src.exists():
             self._info = _pretrained_info(self.source, self.limits)
@@ -260,19 +266,12 @@ class ModelSlot:
 
     def _load(self, info: ModelInfo) -> Engine:
         if info.kind == "run":
-            from dgemma.training.runs import load_run
-
             run = load_run(info.source, device=self.device, dtype=self.dtype)
             return Engine(info, run.model, run.tokenizer, run.noise())
-        from dgemma.diffusion.corruption import UniformNoise
-        from dgemma.diffusion.schedules import get_schedule
-        from dgemma.models.pretrained import load_pretrained
 
         model, tokenizer = load_pretrained(info.source)
         if tokenizer is None:
             raise DGemmaError(f"{info.source} has no tokenizer.json: the text panel needs one")
-        from dgemma.device import resolve_dtype
-
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = model.to(device=device, dtype=resolve_dtype(self.dtype, device)).eval()
         info.max_positions = model.config.max_position_embeddings
@@ -564,8 +563,6 @@ class Plan:
 def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: Limits,
               max_canvases: int | None = None) -> Plan:
     """Validate the settings against the model and the limits; DGemmaError says what is wrong."""
-    from dgemma.sampling import SamplerConfig, build_rules
-
     info, d = engine.info, engine.info.defaults
     step_type = req.step_type or d["step_type"]
     if step_type not in info.step_types:
@@ -610,8 +607,6 @@ def sudoku_hints(engine: Engine, puzzle: str) -> list[int] | None:
     cfg = engine.info.cfg
     if cfg is None or not getattr(cfg.data, "pin_clues", False):
         return None
-    from dgemma.tasks import get_task
-
     fn = get_task(cfg.data.task).hints(cfg, engine.tokenizer)
     filler = puzzle.replace("0", "1")
     return list(fn({"puzzle": puzzle, "solution": filler}, engine.tokenizer.encode(filler)))
@@ -619,8 +614,6 @@ def sudoku_hints(engine: Engine, puzzle: str) -> list[int] | None:
 
 def encode_user_prompt(engine: Engine, record: dict) -> list[int]:
     """The chat-formatted prompt ids (with BOS), never truncated: too long is the caller's error."""
-    from dgemma.data.chat import render_prompt
-
     return engine.tokenizer.encode(render_prompt(engine.tokenizer, record), add_bos=True)
 
 
@@ -695,13 +688,9 @@ def run_sampler(engine: Engine, plan: Plan, on_step: Callable):
     from its own generator seeded by ``derive_seed(seed, i)`` (:class:`~dgemma.diffusion.wrappers.RowSeeded`),
     so the first of ``n`` samples is the one sample of ``n = 1``; otherwise one generator
     seeded by ``seed`` serves the batch (the playground's rule)."""
-    from dgemma.sampling import build_sampler
-
     dev = engine.device
     gens = None
     if plan.row_seeds:
-        from dgemma.training.trainer import derive_seed
-
         gens = [torch.Generator(device=dev).manual_seed(derive_seed(plan.seed, i)) for i in range(plan.rows)]
     sampler = build_sampler(replace(plan.sampler, top_p=plan.top_p), noise=engine.noise,
                             canvas_size=engine.info.canvas_size, stop_ids=engine.stop_ids, generators=gens,
@@ -726,8 +715,6 @@ class SudokuProgress(Progress):
         self.puzzle, self.stop_ids = puzzle, stop_ids
 
     def cells(self, pieces) -> list[list[str]]:
-        from dgemma.eval.visualize import Frame, sudoku_cells
-
         frame = Frame([(x, True) for x in self.earlier] + list(pieces), "")
         return [[d, k] for d, k in sudoku_cells(frame, self.puzzle, self.piece, self.stop_ids)]
 
@@ -739,10 +726,6 @@ class SudokuProgress(Progress):
 
 
 def solve_work(engine: Engine, plan: Plan, job: Job, puzzle: str) -> Callable:
-    from dgemma.data.sudoku import count_clues, grid_error
-    from dgemma.tasks.sudoku import extract_digits
-    from dgemma.eval.visualize import token_piece
-
     def work(emit):
         emit("start", {"puzzle": puzzle, "clues": count_clues(puzzle), **plan.settings})
         progress = SudokuProgress(job, plan, emit, token_piece(engine.tokenizer), puzzle=puzzle,
@@ -789,8 +772,6 @@ class TextProgress(Progress):
 
 
 def text_work(engine: Engine, plan: Plan, job: Job, prompt: str) -> Callable:
-    from dgemma.eval.visualize import token_piece
-
     def work(emit):
         emit("start", {"prompt": prompt, **plan.settings})
         progress = TextProgress(job, plan, emit, token_piece(engine.tokenizer), stop_ids=engine.stop_ids)

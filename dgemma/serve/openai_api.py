@@ -56,6 +56,7 @@ from dgemma.diffusion.wrappers import emitted_canvases
 from dgemma.errors import DGemmaError
 from dgemma.serve.engine import (Cancelled, Engine, Plan, SampleParams, ServeError, _validation_message, load_engine,
                                  make_plan, openai_error, run_job, run_sampler, start_job, stream_job, sudoku_hints)
+from dgemma.data.sudoku import parse_puzzle
 
 __all__ = ["CompletionRequest", "ChatRequest", "Choices", "served_models", "render_messages", "build_plan",
            "sample_work", "encode_event", "refuse_unsupported", "validation_error"]
@@ -283,8 +284,6 @@ def _pins(engine: Engine, text: str) -> list[int] | None:
     cfg = engine.info.cfg
     if cfg is None or cfg.data.task != "sudoku" or not getattr(cfg.data, "pin_clues", False):
         return None
-    from dgemma.data.sudoku import parse_puzzle
-
     try:
         return sudoku_hints(engine, parse_puzzle(text))
     except DGemmaError:

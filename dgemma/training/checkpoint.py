@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dgemma.errors import DGemmaError
+from dgemma.models.transformer import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,6 @@ def model_fingerprint(model_config: dict | Any) -> dict:
     """The fields of a model config (``ModelConfig`` or its ``to_dict()``) that must match
     between a checkpoint and the model it is loaded into. Conditioning details are dropped when
     the block is off, and defaults are resolved, so equal architectures give equal prints."""
-    from dgemma.models.transformer import ModelConfig
-
     if dataclasses.is_dataclass(model_config):
         model_config = dataclasses.asdict(model_config)
     known = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import torch
 
+from dgemma.device import resolve_dtype
 from dgemma.errors import DGemmaError
 from dgemma.training import checkpoint as ckpt
 from dgemma.training.config import Config, apply_overrides, load_config
+from dgemma.training.trainer import build_model, build_noise_for
 
 
 @dataclass
@@ -26,8 +28,6 @@ class Run:
     path: Path  # the checkpoint directory
 
     def noise(self):
-        from dgemma.training.trainer import build_noise_for
-
         return build_noise_for(self.cfg, self.model, self.tokenizer)
 
 
@@ -57,10 +57,6 @@ def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[st
     own training precision: fp32 for a run trained with ``train.dtype="float32"``, else bf16 where
     the device has native bf16 units.
     """
-    from dgemma.device import resolve_dtype
-
-    from dgemma.training.trainer import build_model
-
     workdir = Path(workdir)
     cfg_path = workdir / "config.json"
     if not cfg_path.is_file():

@@ -25,12 +25,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dgemma.data.char_tokenizer import ALPHABETS, CharTokenizer
+from dgemma.data.sft import DataOrder, trim_prompt_padding
+from dgemma.data.tokenizers import load_tokenizer
+from dgemma.device import default_device, describe, resolve_dtype
 from dgemma.diffusion.corruption import build_noise
 from dgemma.diffusion.objective import DiffusionObjective, LossTerms
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.errors import DGemmaError
+from dgemma.models.pretrained import load_pretrained, resolve
+from dgemma.models.transformer import DiffusionGemma
+from dgemma.tasks import get_task
 from dgemma.training import checkpoint as ckpt
 from dgemma.training.config import Config, config_to_dict, model_overrides, save_config
+from dgemma.training.lora import apply_lora, is_adapter_param
 
 
 # ------------------------------------------------------------------------------- randomness
@@ -156,15 +164,11 @@ def _grad_sync(module: nn.Module, sync: bool):
 # ------------------------------------------------------------------------------- building
 def build_tokenizer(cfg: Config):
     """The tokenizer of a from-scratch model: a character alphabet by name, or a tokenizer file."""
-    from dgemma.data.char_tokenizer import ALPHABETS, CharTokenizer
-
     spec = cfg.data.tokenizer
     if spec is None:
         raise DGemmaError("a model trained from scratch needs data.tokenizer (e.g. 'digits' or a tokenizer.json)")
     if spec in ALPHABETS:
         return CharTokenizer.named(spec)
-    from dgemma.data.tokenizers import load_tokenizer
-    from dgemma.models.pretrained import resolve
 
     return load_tokenizer(resolve(spec))
 
@@ -172,14 +176,10 @@ def build_tokenizer(cfg: Config):
 def build_model(cfg: Config):
     """``(model, tokenizer)`` from ``cfg.init.base`` (pretrained) or ``cfg.model`` (random init)."""
     if cfg.init.base:
-        from dgemma.models.pretrained import load_pretrained
-
         model, tokenizer = load_pretrained(cfg.init.base, dtype=torch.float32, **model_overrides(cfg))
         if tokenizer is None or cfg.data.tokenizer is not None:  # a base without tokenizer.json, or a chosen one
             tokenizer = build_tokenizer(cfg)
     else:
-        from dgemma.models.transformer import DiffusionGemma
-
         torch.manual_seed(cfg.init.seed)
         model, tokenizer = DiffusionGemma(cfg.model), build_tokenizer(cfg)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -187,8 +187,6 @@ def build_model(cfg: Config):
                           f"{model.config.vocab_size}")
     model.set_activation_checkpointing(cfg.train.activation_checkpointing)
     if cfg.lora.enabled:
-        from dgemma.training.lora import apply_lora
-
         apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                    target_modules=cfg.lora.target_modules, train_experts=cfg.lora.train_experts)
     return model, tokenizer
@@ -212,8 +210,6 @@ def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
 
 def build_train_data(cfg: Config, tokenizer):
     """The task's training set (``dgemma/tasks/base.py:Task.train_data``)."""
-    from dgemma.tasks import get_task
-
     return get_task(cfg.data.task).train_data(cfg, tokenizer)
 
 
@@ -276,8 +272,6 @@ def check_memory(model, cfg: Config, device: torch.device, log) -> dict:
 def _use_bf16(cfg: Config) -> bool:
     """bf16 autocast: asked for, or ``auto`` on a device with native bf16 matrix units
     (``dgemma/device.py:bf16_native``); fp32 everywhere else."""
-    from dgemma.device import default_device, resolve_dtype
-
     return resolve_dtype(cfg.train.dtype, default_device()) == torch.bfloat16
 
 
@@ -341,12 +335,8 @@ class Trainer:
         self.model.to(self.device)
         self.objective = build_objective(cfg, self.model, self.tokenizer)
         self.data = build_train_data(cfg, self.tokenizer)
-        from dgemma.data.sft import DataOrder
-
         self.order = DataOrder(len(self.data), seed=cfg.data.seed, rank=self.rank, world=self.world)
         self.memory = check_memory(self.model, cfg, self.device, self.say)
-        from dgemma.device import describe
-
         self.say(f"compute dtype {'bfloat16 autocast' if _use_bf16(cfg) else 'float32'} on {describe(self.device)} "
                  f"(train.dtype={cfg.train.dtype})")
         self.module = self._wrap(TrainModule(self.model, self.objective))
@@ -399,8 +389,6 @@ class Trainer:
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
         if self.cfg.lora.enabled:  # the frozen base is reloaded from init.base on resume
-            from dgemma.training.lora import is_adapter_param
-
             state = {k: v for k, v in state.items() if is_adapter_param(k, train_experts=self.cfg.lora.train_experts)}
         return state
 
@@ -475,8 +463,6 @@ class Trainer:
             batches = [{k: v.to(self.device) for k, v in self.data.batch(self.order.next_batch(cfg.data.batch_size)).items()}
                        for _ in range(cfg.train.grad_accum)]
             if cfg.data.trim_prompt_padding and "prompt_valid" in batches[0]:
-                from dgemma.data.sft import trim_prompt_padding
-
                 batches = trim_prompt_padding(batches)
             self.module.train()
             out = train_step(self.module, batches, self.optimizer, step=self.step, seed=cfg.train.seed,
