@@ -23,7 +23,8 @@ import numpy as np
 
 MEASURE = r"""
 import json, resource, sys, time
-from dgemma.data.corpus import iter_documents, prepare_corpus, train_bpe_tokenizer
+from dgemma.data.corpus import prepare_corpus, train_bpe_tokenizer
+from dgemma.data.documents import iter_documents
 if __name__ == "__main__":
     kw = json.loads(sys.argv[1])
     t = time.time()

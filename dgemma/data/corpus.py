@@ -1,5 +1,8 @@
 """Pretraining corpus: streaming readers -> tokenised binary shards -> fixed-length windows.
 
+Three modules, one per step: :mod:`dgemma.data.documents` (read), this one (tokenise and shard,
+``dgemma prepare corpus``), :mod:`dgemma.data.windows` (load for training).
+
 Pipeline (``dgemma prepare corpus``):
 
 1. **Read** documents lazily from ``.txt``, ``.jsonl`` and ``.parquet`` files (paths, folders or
@@ -24,226 +27,27 @@ independent of batching and worker count. The output is the same for any number 
 
 from __future__ import annotations
 
-import glob as _glob
 import hashlib
 import json
 import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
 
-from dgemma.data.sft import DataOrder
+from dgemma.data.documents import ReadStats, check_on_error, iter_documents, resolve_inputs
 from dgemma.data.tokenizers import Tokenizer as Wrapper, load_tokenizer
 from dgemma.errors import DGemmaError
 from dgemma.models.pretrained import resolve
 
-FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<mask>")
 """Special tokens of a tokenizer trained here, with ids 0, 1, 2, 3 in this order."""
 PAD_ID, EOS_ID, BOS_ID, MASK_ID = range(4)
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-_MAX_SHOWN_ERRORS = 20
-
-
-# -- reading ----------------------------------------------------------------------------------
-@dataclass
-class ReadStats:
-    """Counters a reader updates as it goes; pass one in to see what was read and skipped."""
-
-    files: int = 0
-    documents: int = 0
-    bytes: int = 0
-    empty: int = 0
-    skipped: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    def bad(self, message: str, on_error: str) -> None:
-        if on_error == "raise":
-            raise DGemmaError(f"{message} (pass on_error='skip' / --on-error skip to skip such records)")
-        self.skipped += 1
-        if len(self.errors) < _MAX_SHOWN_ERRORS:
-            self.errors.append(message)
-
-
-def _check_on_error(on_error: str) -> None:
-    if on_error not in ("raise", "skip"):
-        raise DGemmaError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-
-
-def _format(path: Path) -> str:
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise DGemmaError(f"{path}: unknown extension {path.suffix or '(none)'!r}; expected one of "
-                          f"{', '.join(FORMATS)}")
-    return fmt
-
-
-def _files_under(folder: Path) -> list[Path]:
-    found = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS
-                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
-    if not found:
-        raise DGemmaError(f"no {', '.join(FORMATS)} files under {folder}")
-    return found
-
-
-def resolve_inputs(inputs: str | Path | Sequence[str | Path]) -> list[Path]:
-    """Files named by paths, folders (searched recursively, hidden files skipped) and globs.
-
-    A named file or glob match with an unknown extension is an error (it is probably a mistake);
-    a folder contributes only its ``.txt``/``.jsonl``/``.parquet`` files. Order is kept, sorted
-    within a folder or glob, and duplicates are dropped.
-    """
-    if isinstance(inputs, (str, Path)):
-        inputs = [inputs]
-    files: list[Path] = []
-    for item in inputs:
-        text = os.path.expanduser(str(item))
-        if any(c in text for c in "*?["):
-            matches = sorted(_glob.glob(text, recursive=True))
-            if not matches:
-                raise DGemmaError(f"no files match {text!r}")
-        elif not os.path.exists(text):
-            raise DGemmaError(f"no such file or folder: {text}")
-        else:
-            matches = [text]
-        for m in map(Path, matches):
-            if m.is_dir():
-                files.extend(_files_under(m))
-            else:
-                _format(m)
-                files.append(m)
-    if not files:
-        raise DGemmaError("no input files given")
-    return list(dict.fromkeys(files))
-
-
-def read_txt(path: str | Path, *, stats: ReadStats | None = None,
-             max_doc_chars: int = 1_000_000) -> Iterator[str]:
-    """Documents of a text file: blocks of lines separated by blank (whitespace-only) lines.
-
-    Lines keep their newlines inside a document; the trailing newline is dropped. Invalid UTF-8
-    is replaced (U+FFFD) rather than failing a multi-GB file on one bad byte.
-    """
-    stats = stats if stats is not None else ReadStats()
-    lines: list[str] = []
-    size = 0
-    with open(path, "rb") as f:
-        for raw in f:
-            stats.bytes += len(raw)
-            if not raw.strip():
-                if lines:
-                    stats.documents += 1
-                    yield "".join(lines).rstrip("\r\n")
-                    lines, size = [], 0
-                continue
-            line = raw.decode("utf-8", errors="replace")
-            if size and size + len(line) > max_doc_chars:
-                stats.documents += 1
-                yield "".join(lines).rstrip("\r\n")
-                lines, size = [], 0
-            lines.append(line)
-            size += len(line)
-    if lines:
-        stats.documents += 1
-        yield "".join(lines).rstrip("\r\n")
-
-
-def read_jsonl(path: str | Path, *, text_field: str = "text", on_error: str = "raise",
-               stats: ReadStats | None = None) -> Iterator[str]:
-    """The ``text_field`` string of each JSON line. A broken line (bad JSON, not an object, field
-    missing or not a string) raises naming ``file:line``, or with ``on_error="skip"`` is counted
-    in ``stats.skipped`` (the first few messages in ``stats.errors``). Empty texts are skipped.
-    """
-    _check_on_error(on_error)
-    stats = stats if stats is not None else ReadStats()
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            stats.bytes += len(raw)
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                stats.bad(f"{path}:{n}: invalid JSON ({getattr(e, 'msg', e)})", on_error)
-                continue
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                what = "not a JSON object" if not isinstance(record, dict) else f"no string field {text_field!r}"
-                stats.bad(f"{path}:{n}: {what}", on_error)
-                continue
-            if not text.strip():
-                stats.empty += 1
-                continue
-            stats.documents += 1
-            yield text
-
-
-def read_parquet(path: str | Path, *, text_field: str = "text", on_error: str = "raise",
-                 stats: ReadStats | None = None, batch_rows: int = 1024) -> Iterator[str]:
-    """The string column ``text_field``, read one record batch at a time (within row groups).
-
-    A missing or non-string column is always an error; a null value is a broken record
-    (``file:row N``) handled per ``on_error``. Byte progress is the file size spread over rows.
-    """
-    _check_on_error(on_error)
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DGemmaError("reading Parquet needs pyarrow: pip install pyarrow") from None
-    stats = stats if stats is not None else ReadStats()
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses
-        raise DGemmaError(f"{path}: not a readable Parquet file ({e})") from None
-    schema = pf.schema_arrow
-    if text_field not in schema.names:
-        raise DGemmaError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)})")
-    kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
-        raise DGemmaError(f"{path}: column {text_field!r} has type {kind}, expected a string")
-    total_rows, size = max(pf.metadata.num_rows, 1), os.path.getsize(path)
-    row, counted = 0, 0
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=[text_field]):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if text is None:
-                stats.bad(f"{path}:row {row}: null {text_field!r}", on_error)
-            elif not text.strip():
-                stats.empty += 1
-            else:
-                stats.documents += 1
-                yield text
-        done = size * row // total_rows
-        stats.bytes += done - counted
-        counted = done
-    stats.bytes += size - counted
-
-
-def iter_documents(inputs: str | Path | Sequence[str | Path], *, text_field: str = "text",
-                   on_error: str = "raise", stats: ReadStats | None = None,
-                   max_doc_chars: int = 1_000_000) -> Iterator[str]:
-    """Every document of every input file, in order (see :func:`resolve_inputs`)."""
-    _check_on_error(on_error)
-    files = resolve_inputs(inputs)
-    stats = stats if stats is not None else ReadStats()
-    for path in files:
-        stats.files += 1
-        fmt = _format(path)
-        if fmt == "txt":
-            yield from read_txt(path, stats=stats, max_doc_chars=max_doc_chars)
-        elif fmt == "jsonl":
-            yield from read_jsonl(path, text_field=text_field, on_error=on_error, stats=stats)
-        else:
-            yield from read_parquet(path, text_field=text_field, on_error=on_error, stats=stats)
 
 
 # -- tokenizer --------------------------------------------------------------------------------
@@ -446,7 +250,7 @@ def prepare_corpus(inputs: str | Path | Sequence[str | Path], *, tokenizer: str 
     forked, so no Rust or OpenMP thread pool of this process is inherited; a worker that dies
     raises instead of hanging the pool.
     """
-    _check_on_error(on_error)
+    check_on_error(on_error)
     if not 0.0 <= val_fraction < 1.0:
         raise DGemmaError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
@@ -556,120 +360,3 @@ def prepare_corpus(inputs: str | Path | Sequence[str | Path], *, tokenizer: str 
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, out_dir / MANIFEST)
     return manifest
-
-
-# -- loading ----------------------------------------------------------------------------------
-def load_manifest(folder: str | Path) -> dict:
-    path = Path(folder) / MANIFEST
-    if not path.is_file():
-        raise DGemmaError(f"no {MANIFEST} in {folder}: run `dgemma prepare corpus` (an interrupted run "
-                          "leaves shards without a manifest; rerun it with --overwrite)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DGemmaError(f"{path} is not valid JSON: {e}") from None
-    if manifest.get("format") != "dgemma-corpus" or manifest.get("version") != FORMAT_VERSION:
-        raise DGemmaError(f"{path} is not a dgemma corpus manifest of version {FORMAT_VERSION}")
-    return manifest
-
-
-class TokenWindows:
-    """Non-overlapping windows of ``seq_len`` tokens over the concatenated shards of one split.
-
-    Window ``i`` is tokens ``[i * seq_len, (i + 1) * seq_len)`` of the packed stream; it may span
-    documents and shards; the final partial window is dropped. Shards are memory-mapped lazily
-    (and not pickled), so the object is cheap to copy into data-loader workers.
-    """
-
-    def __init__(self, folder: str | Path, split: str = "train", seq_len: int = 4096):
-        self.folder = Path(folder)
-        self.manifest = load_manifest(self.folder)
-        if split not in self.manifest["splits"]:
-            raise DGemmaError(f"no split {split!r} in {self.folder} (have {', '.join(self.manifest['splits'])})")
-        if seq_len < 1:
-            raise DGemmaError(f"seq_len must be positive, got {seq_len}")
-        self.split, self.seq_len = split, seq_len
-        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
-        self.files, sizes = [], []
-        for shard in self.manifest["splits"][split]["shards"]:
-            path = self.folder / shard["file"]
-            expected = shard["tokens"] * self.dtype.itemsize
-            actual = path.stat().st_size if path.is_file() else None
-            if actual != expected:
-                raise DGemmaError(f"{path}: expected {expected} bytes from the manifest, found "
-                                  f"{'no file' if actual is None else actual}; the corpus folder is damaged")
-            self.files.append(path)
-            sizes.append(shard["tokens"])
-        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        self.total_tokens = int(self.starts[-1])
-        if self.total_tokens < seq_len:
-            raise DGemmaError(f"the {split} split of {self.folder} has {self.total_tokens} tokens, "
-                              f"fewer than one window of {seq_len}")
-        self._maps: dict[int, np.memmap] = {}
-
-    def __getstate__(self):
-        return {**self.__dict__, "_maps": {}}
-
-    def __len__(self) -> int:
-        return self.total_tokens // self.seq_len
-
-    def _map(self, k: int) -> np.memmap:
-        if k not in self._maps:
-            self._maps[k] = np.memmap(self.files[k], dtype=self.dtype, mode="r")
-        return self._maps[k]
-
-    def tokens(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the split's stream, as int64."""
-        out = np.empty(stop - start, dtype=np.int64)
-        k = int(np.searchsorted(self.starts, start, side="right")) - 1
-        pos = start
-        while pos < stop:
-            lo = pos - int(self.starts[k])
-            hi = min(stop, int(self.starts[k + 1])) - int(self.starts[k])
-            out[pos - start:pos - start + hi - lo] = self._map(k)[lo:hi]
-            pos += hi - lo
-            k += 1
-        return out
-
-    def __getitem__(self, i: int) -> Tensor:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"window {i} out of range for {n} windows")
-        i %= n
-        return torch.from_numpy(self.tokens(i * self.seq_len, (i + 1) * self.seq_len))
-
-
-WindowSampler = DataOrder
-"""Seeded shuffled window order with ``(epoch, offset)`` state and per-rank slices of each global
-batch; the same object SFT uses (``WindowSampler(len(windows), seed=, rank=, world=)``)."""
-
-
-class CorpusData:
-    """Lite training batches: each window is a sequence of ``seq_len // canvas_size`` canvases.
-
-    There is no prompt (``prompt_ids`` is ``[B, 0]``); every token is valid and every canvas
-    selectable, in the batch layout of :func:`dgemma.data.sft.collate`.
-    """
-
-    def __init__(self, folder: str | Path, seq_len: int, canvas_size: int, split: str = "train"):
-        if canvas_size < 1 or seq_len % canvas_size:
-            raise DGemmaError(f"seq_len {seq_len} must be a multiple of canvas_size {canvas_size}")
-        self.windows = TokenWindows(folder, split, seq_len)
-        self.manifest = self.windows.manifest
-        self.seq_len, self.canvas_size = seq_len, canvas_size
-        self.num_canvases = seq_len // canvas_size
-        self.eos_id, self.vocab_size = self.manifest["eos_id"], self.manifest["vocab_size"]
-        self.tokenizer_path = Path(folder) / self.manifest["tokenizer"]["path"]
-
-    def __len__(self) -> int:
-        return len(self.windows)
-
-    def batch(self, indices: Sequence[int]) -> dict[str, Tensor]:
-        b = len(indices)
-        canvas = torch.stack([self.windows[int(i)] for i in indices]) if b else \
-            torch.zeros(0, self.seq_len, dtype=torch.long)
-        return {"prompt_ids": torch.zeros(b, 0, dtype=torch.long),
-                "prompt_valid": torch.zeros(b, 0, dtype=torch.bool),
-                "canvas_ids": canvas,
-                "canvas_valid": torch.ones(b, self.seq_len, dtype=torch.bool),
-                "canvas_mask": torch.ones(b, self.num_canvases, dtype=torch.bool)}

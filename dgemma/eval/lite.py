@@ -84,7 +84,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dgemma.data.corpus import CorpusData
+from dgemma.data.windows import CorpusData
 from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
 from dgemma.diffusion.objective import batch_info
 from dgemma.diffusion.sampler import ar_generate

@@ -56,7 +56,7 @@ class CorpusTask(Task):
                 f"{m['tokenizer']['path']}){skip} -> {args.out}")
 
     def train_data(self, cfg, tokenizer):
-        from dgemma.data.corpus import CorpusData
+        from dgemma.data.windows import CorpusData
 
         if not cfg.data.path:
             raise DGemmaError("task 'corpus' needs data.path: a directory written by `dgemma prepare corpus`")

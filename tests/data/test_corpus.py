@@ -9,6 +9,8 @@ import torch
 
 from dgemma.cli.main import main
 from dgemma.data import corpus as C
+from dgemma.data import documents as D
+from dgemma.data import windows as W
 from dgemma.data.tokenizers import load_tokenizer
 from dgemma.errors import DGemmaError
 
@@ -37,25 +39,25 @@ def bpe(tmp_path_factory):
 def test_txt_documents_are_blank_line_blocks(tmp_path):
     p = tmp_path / "a.txt"
     p.write_text("line one\nline two\n\n\nsecond doc\n  \t\nthird\r\nstill third\n")
-    stats = C.ReadStats()
-    assert list(C.read_txt(p, stats=stats)) == ["line one\nline two", "second doc", "third\r\nstill third"]
+    stats = D.ReadStats()
+    assert list(D.read_txt(p, stats=stats)) == ["line one\nline two", "second doc", "third\r\nstill third"]
     assert (stats.documents, stats.bytes) == (3, p.stat().st_size)
     p.write_text("aaaa\nbbbb\ncccc\n")
-    assert list(C.read_txt(p, max_doc_chars=10)) == ["aaaa\nbbbb", "cccc"]
+    assert list(D.read_txt(p, max_doc_chars=10)) == ["aaaa\nbbbb", "cccc"]
 
 
 def test_jsonl_field_and_broken_lines(tmp_path):
     p = tmp_path / "a.jsonl"
     p.write_text('{"body": "first"}\n\n{"body": "second"\n{"other": 1}\n[1, 2]\n{"body": "  "}\n{"body": "last"}\n')
     with pytest.raises(DGemmaError, match=rf"{p}:3: invalid JSON"):
-        list(C.read_jsonl(p, text_field="body"))
-    stats = C.ReadStats()
-    assert list(C.read_jsonl(p, text_field="body", on_error="skip", stats=stats)) == ["first", "last"]
+        list(D.read_jsonl(p, text_field="body"))
+    stats = D.ReadStats()
+    assert list(D.read_jsonl(p, text_field="body", on_error="skip", stats=stats)) == ["first", "last"]
     assert stats.skipped == 3 and stats.empty == 1 and stats.bytes == p.stat().st_size
     assert [e.split(": ")[0] for e in stats.errors] == [f"{p}:3", f"{p}:4", f"{p}:5"]
     assert "no string field 'body'" in stats.errors[1] and "not a JSON object" in stats.errors[2]
     with pytest.raises(DGemmaError, match="on_error must be"):
-        list(C.read_jsonl(p, on_error="ignore"))
+        list(D.read_jsonl(p, on_error="ignore"))
 
 
 def test_parquet_reads_in_batches(tmp_path):
@@ -66,15 +68,15 @@ def test_parquet_reads_in_batches(tmp_path):
     texts[7] = None
     pq.write_table(pa.table({"text": texts, "n": list(range(50))}), p, row_group_size=8)
     with pytest.raises(DGemmaError, match=rf"{p}:row 8: null 'text'"):
-        list(C.read_parquet(p, batch_rows=5))
-    stats = C.ReadStats()
-    got = list(C.read_parquet(p, on_error="skip", stats=stats, batch_rows=5))
+        list(D.read_parquet(p, batch_rows=5))
+    stats = D.ReadStats()
+    got = list(D.read_parquet(p, on_error="skip", stats=stats, batch_rows=5))
     assert got == [t for t in texts if t is not None]
     assert stats.skipped == 1 and stats.bytes == p.stat().st_size
     with pytest.raises(DGemmaError, match="no column 'body'"):
-        list(C.read_parquet(p, text_field="body"))
+        list(D.read_parquet(p, text_field="body"))
     with pytest.raises(DGemmaError, match="has type int64, expected a string"):
-        list(C.read_parquet(p, text_field="n"))
+        list(D.read_parquet(p, text_field="n"))
 
 
 def test_inputs_paths_folders_globs(tmp_path):
@@ -84,18 +86,18 @@ def test_inputs_paths_folders_globs(tmp_path):
     b.write_text("y\n")
     (tmp_path / "d" / "notes.md").write_text("ignored inside a folder")
     (tmp_path / "d" / ".hidden.txt").write_text("hidden")
-    assert C.resolve_inputs(tmp_path / "d") == [a, b]
-    assert C.resolve_inputs([str(tmp_path / "d" / "**" / "*.txt"), a, str(a)]) == [b, a]
-    assert list(C.iter_documents([tmp_path / "d"])) == ["x", "y"]
+    assert D.resolve_inputs(tmp_path / "d") == [a, b]
+    assert D.resolve_inputs([str(tmp_path / "d" / "**" / "*.txt"), a, str(a)]) == [b, a]
+    assert list(D.iter_documents([tmp_path / "d"])) == ["x", "y"]
     with pytest.raises(DGemmaError, match="unknown extension '.md'"):
-        C.resolve_inputs(tmp_path / "d" / "notes.md")
+        D.resolve_inputs(tmp_path / "d" / "notes.md")
     with pytest.raises(DGemmaError, match="no files match"):
-        C.resolve_inputs(str(tmp_path / "*.parquet"))
+        D.resolve_inputs(str(tmp_path / "*.parquet"))
     with pytest.raises(DGemmaError, match="no such file"):
-        C.resolve_inputs(tmp_path / "missing.txt")
+        D.resolve_inputs(tmp_path / "missing.txt")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DGemmaError, match="no .txt, .jsonl, .parquet files under"):
-        C.resolve_inputs(tmp_path / "empty")
+        D.resolve_inputs(tmp_path / "empty")
 
 
 # -- tokenizer --------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ def test_shards_manifest_and_windows(tmp_path, bpe):
         assert stream(out, split, m).tolist() == expected[split]
     assert len(m["splits"]["train"]["shards"]) > 3
 
-    windows = C.TokenWindows(out, "train", seq_len=10)  # 10 does not divide 97: windows span shards
+    windows = W.TokenWindows(out, "train", seq_len=10)  # 10 does not divide 97: windows span shards
     assert len(windows) == len(expected["train"]) // 10
     flat = torch.cat([windows[i] for i in range(len(windows))])
     assert flat.dtype == torch.long and flat.tolist() == expected["train"][: len(windows) * 10]
@@ -162,7 +164,7 @@ def test_shards_manifest_and_windows(tmp_path, bpe):
     with pytest.raises(IndexError):
         windows[len(windows)]
     with pytest.raises(DGemmaError, match="fewer than one window"):
-        C.TokenWindows(out, "val", seq_len=10_000)
+        W.TokenWindows(out, "val", seq_len=10_000)
 
 
 def test_shard_dtype_boundary_and_uint32_ids(tmp_path):
@@ -192,7 +194,7 @@ def test_crash_leaves_no_manifest_and_damage_is_detected(tmp_path, bpe):
         C.prepare_corpus(p, tokenizer=bpe, out_dir=out, shard_tokens=50, workers=0, batch_chars=200, progress=False)
     assert list(out.glob("train_*.bin")) and not (out / "manifest.json").exists()  # shards, but no lying manifest
     with pytest.raises(DGemmaError, match="no manifest.json"):
-        C.TokenWindows(out, "train", 8)
+        W.TokenWindows(out, "train", 8)
     with pytest.raises(DGemmaError, match="already holds a prepared corpus"):
         C.prepare_corpus(p, tokenizer=bpe, out_dir=out, workers=0, progress=False)
     m = C.prepare_corpus(p, tokenizer=bpe, out_dir=out, shard_tokens=50, workers=0, on_error="skip",
@@ -203,7 +205,7 @@ def test_crash_leaves_no_manifest_and_damage_is_detected(tmp_path, bpe):
     last = out / m["splits"]["train"]["shards"][-1]["file"]
     last.write_bytes(last.read_bytes()[:-2])
     with pytest.raises(DGemmaError, match="the corpus folder is damaged"):
-        C.TokenWindows(out, "train", 8)
+        W.TokenWindows(out, "train", 8)
 
 
 def test_ordered_bounded_never_reads_far_ahead():
@@ -231,29 +233,29 @@ def draw(sampler, batches, batch):
 
 
 def test_sampler_determinism_and_resume():
-    a, b = C.WindowSampler(10, seed=3), C.WindowSampler(10, seed=3)
+    a, b = W.WindowSampler(10, seed=3), W.WindowSampler(10, seed=3)
     first = draw(a, 8, 3)  # 24 indices: crosses two epoch boundaries
     assert first == draw(b, 8, 3)
-    assert draw(C.WindowSampler(10, seed=4), 8, 3) != first
+    assert draw(W.WindowSampler(10, seed=4), 8, 3) != first
     assert sorted(sum(first, [])[:10]) == list(range(10))  # an epoch is a permutation
-    a = C.WindowSampler(10, seed=3)
+    a = W.WindowSampler(10, seed=3)
     draw(a, 5, 3)
     state = json.loads(json.dumps(a.state_dict()))  # survives a JSON checkpoint
-    resumed = C.WindowSampler(10, seed=3)
+    resumed = W.WindowSampler(10, seed=3)
     resumed.load_state_dict(state)
-    assert draw(resumed, 6, 3) == draw(a, 6, 3) == first[5:] + draw(C.WindowSampler(10, seed=3), 11, 3)[8:]
+    assert draw(resumed, 6, 3) == draw(a, 6, 3) == first[5:] + draw(W.WindowSampler(10, seed=3), 11, 3)[8:]
     with pytest.raises(DGemmaError, match="data set or seed changed"):
-        C.WindowSampler(11, seed=3).load_state_dict(state)
+        W.WindowSampler(11, seed=3).load_state_dict(state)
 
 
 def test_sampler_ranks_split_each_global_batch():
     world, batch = 3, 2
-    ranks = [C.WindowSampler(50, seed=0, rank=r, world=world) for r in range(world)]
-    single = C.WindowSampler(50, seed=0)
+    ranks = [W.WindowSampler(50, seed=0, rank=r, world=world) for r in range(world)]
+    single = W.WindowSampler(50, seed=0)
     for _ in range(20):  # 120 indices: several epochs
         parts = [s.next_batch(batch) for s in ranks]
         assert sum(parts, []) == single.next_batch(batch * world)
-    ranks = [C.WindowSampler(60, seed=0, rank=r, world=world) for r in range(world)]
+    ranks = [W.WindowSampler(60, seed=0, rank=r, world=world) for r in range(world)]
     seen = [sum(draw(s, 10, batch), []) for s in ranks]  # exactly one epoch of 60
     assert sorted(sum(seen, [])) == list(range(60))
 
@@ -271,8 +273,8 @@ def small_corpus(tmp_path, bpe):
 def test_corpus_batch_is_all_canvases(small_corpus):
     from dgemma.diffusion.objective import batch_info
 
-    data = C.CorpusData(small_corpus, seq_len=32, canvas_size=8)
-    assert len(data) == len(C.TokenWindows(small_corpus, "train", 32)) and data.num_canvases == 4
+    data = W.CorpusData(small_corpus, seq_len=32, canvas_size=8)
+    assert len(data) == len(W.TokenWindows(small_corpus, "train", 32)) and data.num_canvases == 4
     assert data.eos_id == 1 and data.vocab_size == 300 and data.tokenizer_path.is_file()
     b = data.batch([2, 0, 5])
     assert b["prompt_ids"].shape == b["prompt_valid"].shape == (3, 0)
@@ -284,7 +286,7 @@ def test_corpus_batch_is_all_canvases(small_corpus):
     assert info.blocks.tolist() == [[k // 8 + 1 for k in range(32)]] * 3
     assert info.valid.all() and not info.noisy.any()
     with pytest.raises(DGemmaError, match="multiple of canvas_size"):
-        C.CorpusData(small_corpus, seq_len=30, canvas_size=8)
+        W.CorpusData(small_corpus, seq_len=30, canvas_size=8)
 
 
 def test_corpus_batch_trains_a_tiny_lite_model(small_corpus):
@@ -293,7 +295,7 @@ def test_corpus_batch_trains_a_tiny_lite_model(small_corpus):
     from dgemma.diffusion.schedules import CosineSchedule
     from dgemma.models.transformer import DiffusionGemma, ModelConfig
 
-    data = C.CorpusData(small_corpus, seq_len=32, canvas_size=8)
+    data = W.CorpusData(small_corpus, seq_len=32, canvas_size=8)
     cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
                       layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
