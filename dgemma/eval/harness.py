@@ -36,12 +36,14 @@ import torch
 from dgemma.data.sft import encode_prompts
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.errors import DGemmaError
+from dgemma.eval.sudoku_verify import evaluate_verified
 from dgemma.eval.visualize import visualize_example
 from dgemma.sampling import build_sampler as build, eval_settings, max_canvases
 from dgemma.tasks import get_task
 
 EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?sample_ar_steps(?P<steps>\d+)(?P<es>_early_stopping)?$")
 AR_EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?ar_greedy$")
+VERIFIED_EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?verified_steps(?P<steps>\d+)_rounds(?P<rounds>\d+)$")
 AR_MAX_TOKENS = 64
 AR_KEYS = ("ar_examples", "ar_max_new_tokens", "ar_tokens", "ar_forward_passes", "ar_tokens_per_forward",
            "ar_tokens_per_second", "ar_seconds")  # None when the AR baseline is skipped
@@ -54,6 +56,7 @@ class Evaluator:
     num_steps: int  # 0 for ``ar_greedy``
     early_stopping: bool
     ar: bool = False  # greedy token-by-token decoding instead of the diffusion sampler
+    rounds: int | None = None  # verified solving (Sudoku) with up to this many repair rounds
 
 
 def evaluator_name(num_steps: int, early_stopping: bool, split: str | None = None) -> str:
@@ -66,9 +69,17 @@ def parse_evaluator(name: str, task) -> Evaluator:
     (split checked)."""
     if m := AR_EVAL_NAME.match(name):
         return Evaluator(name, task.check_split(m["split"] or task.default_split), 0, False, ar=True)
+    if m := VERIFIED_EVAL_NAME.match(name):
+        if task.name != "sudoku":
+            raise DGemmaError(f"{name}: verified solving is for the sudoku task, not {task.name!r}")
+        if int(m["steps"]) < 1:
+            raise DGemmaError(f"bad evaluator name {name!r}: verified_steps<N>_rounds<K> needs N >= 1")
+        return Evaluator(name, task.check_split(m["split"] or task.default_split), int(m["steps"]), False,
+                         rounds=int(m["rounds"]))
     m = EVAL_NAME.match(name)
     if not m or int(m["steps"]) < 1:
         raise DGemmaError(f"bad evaluator name {name!r}: expected [SPLIT_]sample_ar_steps<N>[_early_stopping], "
+                          f"[SPLIT_]ar_greedy or (sudoku) [SPLIT_]verified_steps<N>_rounds<K>, "
                           f"e.g. sample_ar_steps32_early_stopping")
     split = task.check_split(m["split"] or task.default_split)
     return Evaluator(name, split, int(m["steps"]), bool(m["es"]))
@@ -350,6 +361,23 @@ def _visualize(run, task, gen: Generation, sampler: CanvasSampler, out: Path, st
                           puzzle=gen.records[i].get("puzzle"))
 
 
+def evaluate_verified_run(run, task, ev: Evaluator, *, records: list[dict], out_dir=None, tb=None) -> dict:
+    """The verified-solving evaluator (``dgemma/eval/sudoku_verify.py:evaluate_verified``): files
+    as :func:`evaluate` (``step_<S>.json`` with ``model_only`` and ``verified`` kept apart, one
+    ``step_<S>.jsonl`` line per puzzle), TensorBoard ``eval/<name>/model_only/<k>`` and
+    ``eval/<name>/verified/<k>``."""
+    out = evaluate_verified(run, task, rounds=ev.rounds, records=records, num_steps=ev.num_steps, split=ev.split)
+    out["eval_name"] = ev.name
+    examples = out.pop("examples")
+    _write(eval_dir(run, out_dir) / ev.name, run.step, out, examples)
+    if tb is not None:
+        for part in ("model_only", "verified"):
+            for k, v in out[part].items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    tb.add_scalar(f"eval/{ev.name}/{part}/{k}", v, run.step)
+    return out
+
+
 def run_evaluators(run, task, evaluators: list[Evaluator], *, out_dir: str | Path | None = None,
                    visualize: int = 0, ar_max_tokens: int = AR_MAX_TOKENS) -> list[dict]:
     """Every evaluator with the config's step type and temperature; records and the AR baseline
@@ -370,6 +398,9 @@ def run_evaluators(run, task, evaluators: list[Evaluator], *, out_dir: str | Pat
     results = []
     try:
         for ev in evaluators:
+            if ev.rounds is not None:
+                results.append(evaluate_verified_run(run, task, ev, records=records[ev.split], out_dir=out_dir, tb=tb))
+                continue
             if ev.ar:
                 results.append(evaluate_ar(run, task, eval_name=ev.name, split=ev.split, records=records[ev.split],
                                            out_dir=out_dir, tb=tb))

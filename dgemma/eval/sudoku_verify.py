@@ -54,7 +54,7 @@ import torch
 from dgemma.data.sft import encode_prompts
 from dgemma.data.sudoku import _UNITS, grid_error, parse_puzzle
 from dgemma.errors import DGemmaError
-from dgemma.eval.harness import build_sampler
+from dgemma.sampling import build_sampler, eval_settings
 from dgemma.tasks import get_task
 from dgemma.tasks.sudoku import SYSTEM_PROMPT, format_prompt, puzzle_hint
 
@@ -271,7 +271,7 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
     """Solve ``puzzles`` with ``model`` and verify each board, re-noising up to ``rounds`` times.
 
     ``sampler`` is a :class:`~dgemma.diffusion.sampler.CanvasSampler` whose canvas holds the 81
-    cells (``dgemma.eval.harness.build_sampler`` builds a run's; the playground has its own).
+    cells (:func:`run_sampler` builds a run's).
     Its round-0 output, batch by batch of ``batch_size`` with one generator seeded by ``seed``,
     is exactly what ``dgemma solve --no-verify`` prints; ``pin_clues`` pins the clues in round 0
     as the run was trained (later rounds always pin them). ``on_round(round, rows, plans)``, if
@@ -368,11 +368,11 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
 
 
 def run_sampler(run, *, num_steps: int = 81, step_type: str = "commit", temperature: float = 0.0):
-    """The sampler ``dgemma solve`` uses for a run: greedy, no early stopping."""
-
-    sampler, _ = build_sampler(run, get_task("sudoku"), num_steps=num_steps, step_type=step_type,
-                               temperature=temperature, early_stopping=None)
-    return sampler
+    """The sampler ``dgemma solve`` uses for a run: its eval settings, greedy, no early stopping."""
+    settings = eval_settings(run.cfg, num_steps=num_steps, step_type=step_type, temperature=temperature,
+                             early_stopping=None)
+    return build_sampler(settings, noise=run.noise(), canvas_size=run.cfg.diffusion.canvas_size,
+                         stop_ids=get_task("sudoku").stop_ids(run.tokenizer))
 
 
 def solve_run(run, puzzles: list[str] | str, *, rounds: int = DEFAULT_ROUNDS, num_steps: int = 81,

@@ -173,3 +173,30 @@ def test_evaluate_verified_keeps_model_only_equal_to_the_plain_evaluator(tiny, t
     assert v["valid_accuracy"] == v["solved"] / 6  # a verified answer is valid or absent, never wrong
     assert out["eval_name"] == "verified_steps81_rounds2" and out["settings"]["rounds"] == 2
     assert sum(v["rounds_histogram"].values()) == 6
+
+
+def test_dgemma_eval_runs_the_verified_evaluator_beside_the_plain_one(tiny_run, tmp_path, capsys):
+    """``--eval_names=verified_steps81_rounds2`` is an evaluator of its own: its own files, model-only
+    and verified kept apart (two table rows), model-only equal to the plain greedy evaluator."""
+    import json
+
+    from dgemma.cli.main import main
+
+    args = ["eval", f"--cfg.workdir={tiny_run}", "--eval_names=sample_ar_steps81,verified_steps81_rounds2",
+            "--cfg.eval_ds.num_examples=6", "--cfg.eval_ds.step_type=commit", "--cfg.eval_ds.temperature=0",
+            "--cfg.eval_ds.early_stopping=none", f"--out={tmp_path}", "--ar_max_tokens=0"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "verified_steps81_rounds2 model-only" in table and "verified_steps81_rounds2 verified" in table
+    plain = json.loads(next((tmp_path / "eval" / "sample_ar_steps81").glob("step_*.json")).read_text())
+    folder = tmp_path / "eval" / "verified_steps81_rounds2"
+    ver = json.loads(next(folder.glob("step_*.json")).read_text())
+    assert {k: ver["model_only"][k] for k in plain["metrics"]} == plain["metrics"]
+    assert ver["verified"]["solved"] + ver["verified"]["unsolved"] == 6 and "examples" not in ver
+    lines = next(folder.glob("step_*.jsonl")).read_text().splitlines()
+    assert len(lines) == 6 and {"model_grid", "grid", "valid", "rounds"} <= set(json.loads(lines[0]))
+    with pytest.raises(DGemmaError, match="verified solving is for the sudoku task"):
+        from dgemma.eval.harness import parse_evaluator
+        from dgemma.tasks import get_task
+
+        parse_evaluator("verified_steps8_rounds2", get_task("pubmedqa"))
