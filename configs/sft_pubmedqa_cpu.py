@@ -46,6 +46,14 @@ Deviations from ``configs/sft_pubmedqa.py``, each with its reason (figures measu
   confident positions anywhere: on 16 train-eval questions at step 80 and 32 steps it wrote
   "The answer is:" and stopped (mean 5 tokens); with blocks of 4 it wrote an explanation ending
   in "The answer is: no" (mean 41 tokens).
+- ``eval_ds.stop_alias_cos=0.95``: the stop tokens absorb the tokens whose embedding row is
+  within cosine 0.95 of theirs (``dgemma/diffusion/sampler.py:stop_aliases``). Gemma 3 270M's
+  ``<end_of_turn>`` row has cosine >= 0.95 with ~6,200 untrained rows (unused and rare-script
+  tokens, none in a PubMedQA answer; EOS has no such twins): with the tied head a fine-tune that
+  means "end of turn" cannot rank it above them and writes "The answer is: yes" then one of them
+  ("capturePlayer", "𒄊"), which the decision regex rightly refuses. At step 80 the adapter gave
+  ``<end_of_turn>`` 0.1% at the end of its own training answers. Both models (AR too) are
+  decoded with it; a later recipe should end answers with EOS instead.
 - Every checkpoint is kept (``keep_last=None``, every 20 steps): the held-out curve is measured
   on them afterwards (``dgemma eval --step=S --eval_names=train_eval_sample_ar_steps16``)
   instead of pausing training for it.
@@ -77,5 +85,6 @@ def get_config() -> Config:
         train=TrainConfig(steps=240, grad_accum=1, seed=0, dtype="auto", checkpoint_every=40, keep_last=None,
                           log_every=1, threads=2),
         eval_ds=EvalConfig(batch_size=16, steps=[8, 16, 32], step_type="commit", temperature=0.0,
-                           early_stopping="entropy", entropy_threshold=0.05, commit_block=4, num_examples=500),
+                           early_stopping="entropy", entropy_threshold=0.05, commit_block=4, stop_alias_cos=0.95,
+                           num_examples=500),
     )

@@ -50,6 +50,7 @@ class SamplerConfig:
     stability_threshold: int | None = None  # stable_confident stopping: unchanged steps (default 1)
     stop_confidence_threshold: float | None = None  # stable_confident stopping: entropy bound (default 0.005)
     top_p: float | None = None  # nucleus filtering of the step's distribution (1 = off)
+    stop_alias_cos: float | None = None  # stop tokens absorb the tokens this close to their embedding
 
     def merged(self, defaults: "SamplerConfig") -> "SamplerConfig":
         """This config with every ``None`` field taken from ``defaults``."""
@@ -82,7 +83,7 @@ def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
                          max_canvases=max_canvases(cfg), min_stop_prob=e.min_stop_prob,
                          confidence_threshold=e.confidence_threshold, commit_block=e.commit_block,
                          entropy_bound=e.entropy_bound, stability_threshold=e.stability_threshold,
-                         stop_confidence_threshold=e.stop_confidence_threshold)
+                         stop_confidence_threshold=e.stop_confidence_threshold, stop_alias_cos=e.stop_alias_cos)
 
 
 RULE_DEFAULTS = SamplerConfig(entropy_threshold=0.05, min_stop_prob=0.0, confidence_threshold=0.9, entropy_bound=0.1,
@@ -129,7 +130,8 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
                           on_step=on_step).kwargs()
     return CanvasSampler(**parts, num_steps=cfg.num_steps, canvas_size=canvas_size,
                          max_canvases=cfg.max_canvases, stop=stop, stop_ids=stop_ids,
-                         min_stop_prob=cfg.min_stop_prob, temperature=signal_temperature(cfg), **engine)
+                         min_stop_prob=cfg.min_stop_prob, stop_alias_cos=cfg.stop_alias_cos,
+                         temperature=signal_temperature(cfg), **engine)
 
 
 def signal_temperature(cfg: SamplerConfig) -> float:

@@ -39,6 +39,11 @@ def collect(workdir: Path, label: str) -> list[dict]:
     return rows
 
 
+def kind(result: dict) -> str:
+    """"AR" for the greedy AR decoder's evaluations, else "diffusion"."""
+    return "AR" if result["eval_name"].endswith("ar_greedy") else "diffusion"
+
+
 def curve(workdir: Path) -> dict[str, list[tuple[int, float]]]:
     out = {}
     for folder in sorted((workdir / "eval").glob("train_eval_*")):
@@ -97,18 +102,21 @@ def main() -> None:
                         "--cfg.aux.eval_num_batches=N); their rows say how many")
     p.add_argument("--batch16", type=Path, nargs="*", default=[],
                    help="folders whose batch-16 tokens/s replace the accuracy runs' (measured on an idle machine)")
+    p.add_argument("--curves", type=Path, nargs="*", default=[],
+                   help="more folders whose train_eval_* evaluations are plotted (e.g. DIR/curve16)")
+    p.add_argument("--losses", type=Path, nargs="*", default=[],
+                   help="training workdirs whose metrics.jsonl loss is plotted (default: --diffusion, --ar)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     rows = collect(args.diffusion, "diffusion") + collect(args.ar, "AR")
     for folder in args.subset:
-        rows += collect(folder, "AR (subset)" if "ar" in folder.name.split("_") else "diffusion (subset)")
+        rows += [{**r, "model": f"{kind(r)} (subset)"} for r in collect(folder, "")]
     speeds = {}
     for name, folders in (("batch1", args.batch1), ("batch16", args.batch16)):
         speeds[name] = {}
         for folder in folders:
-            label = "AR" if "ar" in folder.name.split("_") else "diffusion"
-            for r in collect(folder, label):
-                speeds[name][(label, r["eval_name"])] = r["stats"]["tokens_per_second"]
+            for r in collect(folder, ""):
+                speeds[name][(kind(r), r["eval_name"])] = r["stats"]["tokens_per_second"]
     batch1 = speeds["batch1"]
     text = table(rows, batch1, speeds["batch16"])
     print(text)
@@ -124,14 +132,15 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        for label, wd in (("diffusion", args.diffusion), ("AR", args.ar)):
+        for wd in (args.diffusion, args.ar, *args.curves):
             for name, pts in curve(wd).items():
                 if pts:
-                    a.plot(*zip(*pts), marker="o", label=f"{label}: {name}")
+                    a.plot(*zip(*pts), marker="o", label=f"{wd.name}: {name}")
+        for wd in args.losses or (args.diffusion, args.ar):
             if (ls := losses(wd)):
-                b.plot(*zip(*ls), label=label, alpha=0.7)
+                b.plot(*zip(*ls), label=wd.name, alpha=0.7)
         a.axhline(MAJORITY["accuracy"], color="grey", ls="--", label="majority class (test)")
-        a.set(xlabel="training step", ylabel="accuracy (50 train-eval questions)", ylim=(0, 1))
+        a.set(xlabel="training step", ylabel="accuracy (train-eval questions)", ylim=(0, 1))
         b.set(xlabel="training step", ylabel="training loss (nats/token)")
         a.legend(fontsize=7)
         b.legend(fontsize=7)

@@ -90,6 +90,7 @@ class CanvasSampler:
     skip_committed: bool = True  # LM head and self-conditioning on uncommitted positions only (commit steps)
     fill_after_stop: bool = True  # commit steps: EOS-fill the canvas after its first committed stop token
     min_stop_prob: float = 0.0  # a stop token is predicted only where its probability reaches this
+    stop_alias_cos: float | None = None  # fold tokens this close to a stop token's embedding into it
     record: bool = False
     # Optional per-step callback, called after every denoising step with keyword arguments
     # canvas, step, t, rows (original row indices of the rows in this step), tokens, committed,
@@ -134,6 +135,7 @@ class CanvasSampler:
 
         grid = time_grid(self.num_steps, t_max=self.t_max)
         embed = model.model.embed_tokens.weight
+        aliases = stop_aliases(embed, self.stop_ids, self.stop_alias_cos) if self.stop_alias_cos else {}
         for k in range(self.max_canvases):
             a = active.numel()
             pos = start[active][:, None] + k * c + torch.arange(c, device=dev)[None, :]
@@ -169,6 +171,7 @@ class CanvasSampler:
                 # committed positions can no longer change: the LM head runs on the open ones only
                 open_ = ~state.committed if self.skip_committed and self.step.commits else None
                 logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
+                logits = fold_aliases(logits, aliases)
                 if self.min_stop_prob > 0 and self.stop_ids:
                     logits = gate_stop_tokens(logits, self.stop_ids, self.min_stop_prob)
                 for r in active[running].tolist():
@@ -257,6 +260,42 @@ def gate_stop_tokens(logits: Tensor, stop_ids: tuple[int, ...], min_prob: float)
     return logits
 
 
+def stop_aliases(embed: Tensor, stop_ids: tuple[int, ...], min_cos: float) -> dict[int, Tensor]:
+    """``{stop id: ids of the other tokens whose embedding row has cosine >= min_cos with its row}``.
+
+    With a tied LM head, tokens with (nearly) the same embedding get (nearly) the same logit: the
+    head cannot rank them, so a model that means "stop" spreads that probability over all of them
+    and the argmax lands on whichever is marginally ahead. Gemma 3 270M's ``<end_of_turn>`` sits in
+    such a cluster: ~6,200 untrained rows (unused and rare-script tokens, none of them in a
+    PubMedQA answer) within cosine 0.95 of it. A token is the alias of one stop id at most (the
+    closest). Example: rows ``e0 = (1, 0)``, ``e1 = (0.99, 0.1)``, ``e2 = (0, 1)``, stop id 0,
+    ``min_cos=0.95``: ``{0: [1]}``.
+    """
+    if not stop_ids:
+        return {}
+    w = embed.detach().float()
+    w = w / w.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    ids = torch.tensor(stop_ids, device=w.device)
+    sims = w @ w[ids].T  # [V, S]
+    best, which = sims.max(-1)
+    alias = (best >= min_cos)
+    alias[ids] = False
+    return {int(s): alias.logical_and(which == k).nonzero().flatten() for k, s in enumerate(stop_ids)}
+
+
+def fold_aliases(logits: Tensor, aliases: dict[int, Tensor]) -> Tensor:
+    """In place: each stop token's logit becomes the log-sum-exp of its own and its aliases'
+    logits (their probabilities summed), and the aliases are never predicted, so "stop" wins
+    where the model puts its mass on the stop token's indistinguishable rows. Example, stop 1
+    with aliases [3, 4]: probabilities (0.4, 0.1, 0.1, 0.2, 0.2) -> stop 0.5 is the argmax."""
+    for stop, ids in aliases.items():
+        if ids.numel():
+            group = torch.cat([logits[..., stop:stop + 1], logits.index_select(-1, ids)], -1)
+            logits[..., stop] = group.float().logsumexp(-1).to(logits.dtype)
+            logits.index_fill_(-1, ids, float("-inf"))
+    return logits
+
+
 def fill_after_stop(state: CanvasState, stop_ids: tuple[int, ...]) -> CanvasState:
     """Commit every position after a row's first committed stop token as ``stop_ids[0]`` (EOS).
 
@@ -334,8 +373,9 @@ class ARResult:
 @torch.no_grad()
 def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_tokens: int,
                 stop_ids: tuple[int, ...] = (), temperature: float = 0.0,
-                generator: torch.Generator | None = None) -> ARResult:
-    """Token-by-token decoding through the same KV cache (greedy at ``temperature=0``)."""
+                generator: torch.Generator | None = None, stop_alias_cos: float | None = None) -> ARResult:
+    """Token-by-token decoding through the same KV cache (greedy at ``temperature=0``);
+    ``stop_alias_cos`` folds the stop tokens' aliases into them as the canvas sampler does."""
     t0 = time.perf_counter()
     b, p = prompt_ids.shape
     dev = prompt_ids.device
@@ -343,7 +383,8 @@ def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_toke
     cache = KVCache(b, p + max_new_tokens)
     hidden = model(prompt_ids, info=TokenInfo.clean(prompt_valid), cache=cache, return_hidden=True)
     last = prompt_valid.long().sum(-1) - 1
-    logits = model.logits(hidden[torch.arange(b, device=dev), last])  # [B, V]: the LM head on one position per row
+    aliases = stop_aliases(model.model.embed_tokens.weight, stop_ids, stop_alias_cos) if stop_alias_cos else {}
+    logits = fold_aliases(model.logits(hidden[torch.arange(b, device=dev), last]), aliases)  # [B, V]: one position a row
     pos = last + 1
     out: list[list[int]] = [[] for _ in range(b)]
     fwd = [1] * b
@@ -365,7 +406,7 @@ def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_toke
             cache = cache.select(keep.nonzero().squeeze(1))
         ones = torch.ones(active.numel(), 1, dtype=torch.bool, device=dev)
         info = TokenInfo(pos[:, None], torch.zeros_like(pos[:, None]), ~ones, ones)
-        logits = model(nxt[:, None], info=info, cache=cache)[:, 0]
+        logits = fold_aliases(model(nxt[:, None], info=info, cache=cache)[:, 0], aliases)
         for r in active.tolist():
             fwd[r] += 1
         pos = pos + 1

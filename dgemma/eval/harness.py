@@ -124,7 +124,7 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
         "temperature": temperature, "early_stopping": early_stopping, "stopping": {"rule": rule, **_params(stop)},
         "canvas_size": sampler.canvas_size, "max_canvases": sampler.max_canvases, "stop_ids": list(sampler.stop_ids),
         "noise": cfg.diffusion.process, "schedule": cfg.diffusion.schedule, "pin_clues": cfg.data.pin_clues,
-        "min_stop_prob": sampler.min_stop_prob,
+        "min_stop_prob": sampler.min_stop_prob, "stop_alias_cos": sampler.stop_alias_cos,
     }
     return sampler, settings
 
@@ -218,7 +218,8 @@ def ar_baseline(run, task, records: list[dict], *, batch_size: int, max_new_toke
     the fastest of ``repeats`` runs, as first calls on a CPU pay one-off costs."""
     batch = records[:batch_size]
     ids, valid, _ = encode_prompts(run.tokenizer, batch, run.cfg.data.prompt_len, device=_device(run.model))
-    runs = [ar_generate(run.model, ids, valid, max_new_tokens=max_new_tokens, stop_ids=task.stop_ids(run.tokenizer))
+    runs = [ar_generate(run.model, ids, valid, max_new_tokens=max_new_tokens, stop_ids=task.stop_ids(run.tokenizer),
+                        stop_alias_cos=run.cfg.eval_ds.stop_alias_cos)
             for _ in range(max(repeats, 1))]
     s = min(runs, key=lambda r: r.seconds).stats()
     return {"ar_examples": len(batch), "ar_max_new_tokens": max_new_tokens, **{f"ar_{k}": v for k, v in s.items()}}
@@ -302,7 +303,8 @@ def evaluate_ar(run, task, *, eval_name: str, split: str | None = None, records:
     gen = Generation([], [], [], [])
     for batch in batches(records, e.batch_size, cfg.aux.eval_num_batches):
         ids, valid, truncated = encode_prompts(run.tokenizer, batch, cfg.data.prompt_len, device=dev)
-        res = ar_generate(run.model, ids, valid, max_new_tokens=max_new, stop_ids=task.stop_ids(run.tokenizer))
+        res = ar_generate(run.model, ids, valid, max_new_tokens=max_new, stop_ids=task.stop_ids(run.tokenizer),
+                          stop_alias_cos=cfg.eval_ds.stop_alias_cos)
         gen.records += batch
         gen.tokens += res.tokens
         gen.forward_passes += res.forward_passes
@@ -314,7 +316,8 @@ def evaluate_ar(run, task, *, eval_name: str, split: str | None = None, records:
     stats = gen.stats(0)
     settings = {"decoder": "ar_greedy", "max_new_tokens": max_new, "stop_ids": list(task.stop_ids(run.tokenizer)),
                 "batch_size": e.batch_size, "num_batches": cfg.aux.eval_num_batches, "prompt_len": cfg.data.prompt_len,
-                "device": str(dev), "dtype": _dtype(run.model), "threads": torch.get_num_threads()}
+                "device": str(dev), "dtype": _dtype(run.model), "threads": torch.get_num_threads(),
+                "stop_alias_cos": cfg.eval_ds.stop_alias_cos}
     result = {"eval_name": eval_name, "task": task.name, "split": split, "source": task.source(cfg, split),
               "checkpoint_step": run.step, "num_examples": len(gen.records), "metrics": metrics, "stats": stats,
               "settings": settings}

@@ -591,7 +591,8 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
         if step_type == "confidence" else None
     sampler = SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature, early_stopping=rule,
                             entropy_threshold=info.entropy_threshold, max_canvases=n_canvas,
-                            confidence_threshold=threshold)
+                            confidence_threshold=threshold,
+                            stop_alias_cos=info.cfg.eval_ds.stop_alias_cos if info.cfg is not None else None)
     build_rules(sampler, engine.noise)  # bad settings fail here, before a job starts
     seed = random.randrange(2**31) if req.seed is None else req.seed
     settings = {"step_type": step_type, "num_steps": num_steps, "temperature": temperature, "early_stopping": rule,

@@ -38,7 +38,7 @@ def _positive(obj, *names: str) -> None:
 
 def _fraction(obj, *names: str) -> None:
     for n in names:
-        if not 0.0 <= getattr(obj, n) <= 1.0:
+        if getattr(obj, n) is not None and not 0.0 <= getattr(obj, n) <= 1.0:
             raise ValueError(f"{n} must be in [0, 1], got {getattr(obj, n)}")
 
 
@@ -168,6 +168,7 @@ class EvalConfig:
     entropy_bound: float = 0.1  # entropy_bound step: bound on the accepted positions' entropies (nats)
     stability_threshold: int = 1  # stable_confident stopping: steps the argmax canvas must stay unchanged
     stop_confidence_threshold: float = 0.005  # stable_confident stopping: mean entropy below this (nats)
+    stop_alias_cos: float | None = None  # fold tokens whose embedding has this cosine with a stop token's into it
     num_examples: int = 256
     split: str | None = None  # the evaluators' split (None: the task's default, e.g. test)
     seed: int = 0
@@ -178,7 +179,7 @@ class EvalConfig:
 
     def __post_init__(self):
         _positive(self, "batch_size", "max_canvases", "num_examples", "commit_block")
-        _fraction(self, "min_stop_prob", "confidence_threshold")
+        _fraction(self, "min_stop_prob", "confidence_threshold", "stop_alias_cos")
         for name in ("entropy_bound", "stop_confidence_threshold"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
