@@ -29,7 +29,7 @@ case $part in
       --ar_max_tokens=0 --eval_names=sample_ar_steps32,sample_ar_steps8
     dgemma eval --cfg.workdir="$A" --out="$A/batch1_ar" --cfg.eval_ds.batch_size=1 --cfg.aux.eval_num_batches=8 ;;
   report)
-    python scripts/pubmedqa_report.py --diffusion "$D/subset_diffusion" --ar "$A/subset" --curves "$D/curve16" \
+    python scripts/pubmedqa_report.py --diffusion "$D/subset_diffusion" --ar "$A/subset" --curves "$D/curve16" "$A" \
       --losses "$D" "$A" --batch1 "$D/batch1_diffusion" "$A/batch1_ar" --out "$OUT" ;;
   *) echo "unknown part $part: curves, test, speed or report" >&2; exit 2 ;;
 esac
