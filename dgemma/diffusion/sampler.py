@@ -25,6 +25,7 @@ baseline every speed figure is compared with.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -273,14 +274,27 @@ def stop_aliases(embed: Tensor, stop_ids: tuple[int, ...], min_cos: float) -> di
     """
     if not stop_ids:
         return {}
-    w = embed.detach().float()
-    w = w / w.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    ids = torch.tensor(stop_ids, device=w.device)
-    sims = w @ w[ids].T  # [V, S]
-    best, which = sims.max(-1)
-    alias = (best >= min_cos)
+    key = (embed._version, tuple(stop_ids), float(min_cos))
+    if _ALIASES and _ALIASES[0]() is embed and _ALIASES[1] == key:  # the same tensor, unchanged
+        return _ALIASES[2]
+    ids = torch.tensor(stop_ids, device=embed.device)
+    ref = embed.detach()[ids].float()
+    ref = ref / ref.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # [S, d]
+    best, which = [], []
+    for rows in embed.detach().split(32_768):  # fp32 in chunks: no full-vocabulary copy
+        w = rows.float()
+        b, k = ((w / w.norm(dim=-1, keepdim=True).clamp_min(1e-12)) @ ref.T).max(-1)
+        best.append(b)
+        which.append(k)
+    best, which = torch.cat(best), torch.cat(which)
+    alias = best >= min_cos
     alias[ids] = False
-    return {int(s): alias.logical_and(which == k).nonzero().flatten() for k, s in enumerate(stop_ids)}
+    out = {int(s): alias.logical_and(which == k).nonzero().flatten() for k, s in enumerate(stop_ids)}
+    _ALIASES[:] = [weakref.ref(embed), key, out]  # one model at a time: the latest only
+    return out
+
+
+_ALIASES: list = []  # [weakref to the embedding, (version, stop ids, min_cos), aliases]
 
 
 def fold_aliases(logits: Tensor, aliases: dict[int, Tensor]) -> Tensor:
