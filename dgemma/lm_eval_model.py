@@ -56,7 +56,6 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from dgemma import load_pretrained
 from dgemma.data.sudoku import parse_puzzle
 from dgemma.device import resolve_dtype
 from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
@@ -67,6 +66,7 @@ from dgemma.errors import DGemmaError
 from dgemma.eval.lite import alpha_and_derivative, uniform_rate_terms
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
+from dgemma.models.pretrained import load_pretrained
 from dgemma.models.selfcond import expected_embedding
 from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases
 from dgemma.tasks.sudoku import puzzle_hint

@@ -31,14 +31,13 @@ import torch
 
 from dgemma.bench import fixtures
 from dgemma.bench.common import (Budget, Context, add_ratio, finish, format_table, measure, new_result,
-                                 profile_call, ratio, share_of)
-from dgemma.bench.common import synchronize
+                                 profile_call, ratio, share_of, synchronize)
 from dgemma.data.sft import encode_prompts
 from dgemma.diffusion.corruption import UniformNoise
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
-from dgemma.eval.harness import clue_hints
+from dgemma.eval import harness  # the run's own sampler, as dgemma eval builds it
 from dgemma.sampling import SamplerConfig, build_sampler
 from dgemma.tasks import get_task
 from dgemma.tasks.sudoku import generate_eval_puzzles
@@ -405,7 +404,7 @@ def _hint_fn(run, width: int, device):
     """``records -> [B, width] pinned tokens or None``, as the eval harness makes them (Sudoku clues
     for a run trained with ``data.pin_clues``)."""
     def make(records):
-        h = clue_hints(run, records, width)
+        h = harness.clue_hints(run, records, width)
         return None if h is None else h.to(device)
     return make
 
@@ -416,8 +415,6 @@ def _hints_kw(pins) -> dict:
 
 def _bench_sudoku(ctx: Context, result: dict, budget: Budget, sz: dict, run=None) -> list[dict]:
     """The trained Sudoku model: speed and accuracy per sampler setting, AR and generate baselines."""
-    from dgemma.eval import harness  # the run's own sampler, as dgemma eval builds it
-
     if run is None:
         run, why = fixtures.sudoku_run(ctx)
         if run is None:

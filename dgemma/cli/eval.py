@@ -68,12 +68,13 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _rows(r: dict) -> list[tuple[str, dict, dict]]:
-    """``(label, metrics, stats)`` of one result: a verified evaluator gives two rows, model-only
-    and verified, never one mixed number."""
+def _rows(r: dict) -> list[tuple[str, int, dict, dict]]:
+    """``(label, n, metrics, stats)`` of one result: a verified evaluator gives two rows,
+    model-only and verified, never one mixed number."""
+    n = r["num_examples"]
     if "verified" not in r:
-        return [(r["eval_name"], r["metrics"], r["stats"])]
-    return [(f"{r['eval_name']} {part.replace('_', '-')}", r[part],
+        return [(r["eval_name"], n, r["metrics"], r["stats"])]
+    return [(f"{r['eval_name']} {part.replace('_', '-')}", n, r[part],
              {"mean_steps_per_canvas": r[part]["mean_passes"], "boards_per_second": r[part]["boards_per_second"]})
             for part in ("model_only", "verified")]
 
@@ -82,12 +83,11 @@ def table(results: list[dict], primary: tuple[str, ...]) -> str:
     """One line per evaluator: the task's main metrics and the speed figures (verified solving:
     one line model-only, one verified; ``steps/canvas`` is then forward passes per board)."""
     rows_ = [row for r in results for row in _rows(r)]
-    primary = tuple(m for m in primary if any(m in met for _, met, _ in rows_))
+    primary = tuple(m for m in primary if any(m in met for _, _, met, _ in rows_))
     cols = ["eval_name", "n", *primary, "steps/canvas", "tok/fwd", "tok/s", "ar tok/s", "x ar"]
-    n = {r["eval_name"]: r["num_examples"] for r in results}
-    rows = [[label, n[label.split(" ")[0]], *(met.get(m) for m in primary), st["mean_steps_per_canvas"],
-             st.get("tokens_per_forward"), st.get("tokens_per_second"), st.get("ar_tokens_per_second"),
-             st.get("speedup_vs_ar")] for label, met, st in rows_]
+    rows = [[label, n, *(met.get(m) for m in primary), st["mean_steps_per_canvas"], st.get("tokens_per_forward"),
+             st.get("tokens_per_second"), st.get("ar_tokens_per_second"), st.get("speedup_vs_ar")]
+            for label, n, met, st in rows_]
     cells = [cols] + [[_fmt(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))

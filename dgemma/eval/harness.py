@@ -373,11 +373,8 @@ def evaluate_verified_run(run, task, ev: Evaluator, *, records: list[dict], out_
     out["eval_name"] = ev.name
     examples = out.pop("examples")
     _write(eval_dir(run, out_dir) / ev.name, run.step, out, examples)
-    if tb is not None:
-        for part in ("model_only", "verified"):
-            for k, v in out[part].items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    tb.add_scalar(f"eval/{ev.name}/{part}/{k}", v, run.step)
+    for part in ("model_only", "verified"):
+        _scalars(tb, eval_dir(run, out_dir) / "tb", f"{ev.name}/{part}", run.step, out[part])
     return out
 
 
