@@ -2,14 +2,16 @@
 
 For each batch of prompts (right padded, any lengths)::
 
-    prefill the prompt                                   1 forward
-    for canvas k = 0, 1, ... < max_canvases:
+    prefill the prompt                                   1 forward               CanvasSampler.prefill
+    for canvas k = 0, 1, ... < max_canvases:                                     CanvasSampler.denoise_canvas
         x = pure noise                                   [A, C]
         for each step on the time grid 1 -> 0:           1 forward each (decoder, no cache write)
             logits = model(x | cache); x = step(x, logits)
             rows whose stopping rule fires are frozen and leave the batch
-        cut each row's canvas at EOS / end-of-turn -> that row is finished
+        cut each row's canvas at EOS / end-of-turn -> that row is finished       CanvasSampler.append
         append the canvas of unfinished rows              1 forward (encoder, writes the cache)
+
+The three stages share one :class:`Decoding` (the call's cache, active rows and results).
 
 With ``shift_logits`` the first token of a canvas is predicted by the clean state of the token
 before it, which the prefill or the append already computed (``dgemma/diffusion/shift.py``).
@@ -35,6 +37,7 @@ from dgemma.diffusion.schedules import time_grid
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
 from dgemma.diffusion.steps import CanvasState
 from dgemma.diffusion.stopping import NoStop
+from dgemma.errors import DGemmaError
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.selfcond import probs_embedding
@@ -111,135 +114,179 @@ class CanvasSampler:
                  hints: Tensor | None = None) -> SampleResult:
         """``hints [B, max_canvases * C]`` pins known tokens (``-1`` = free), e.g. Sudoku clues."""
         t0 = time.perf_counter()
+        d = self.prefill(model, prompt_ids, prompt_valid)
+        for k in range(self.max_canvases):
+            canvas = self.denoise_canvas(model, d, k, generator=generator, hints=hints)
+            if not self.append(model, d, canvas, last=k == self.max_canvases - 1):
+                break
+        return SampleResult(d.out, d.fwd, d.steps_used, time.perf_counter() - t0, d.traj)
+
+    def prefill(self, model, prompt_ids: Tensor, prompt_valid: Tensor) -> "Decoding":
+        """Encode the prompts into a cache sized for every canvas (one forward, keys only)."""
         b, p = prompt_ids.shape
         dev = prompt_ids.device
-        c = self.canvas_size
         prompt_valid = prompt_valid.bool()
-        start = prompt_valid.long().sum(-1)  # [B] first canvas position per row
-        out: list[list[int]] = [[] for _ in range(b)]
-        fwd = [1 if p else 0] * b  # an empty prompt (unconditional generation) has no prefill
-        steps_used: list[list[int]] = [[] for _ in range(b)]
-        traj = [[] for _ in range(b)] if self.record else None
-
-        active = torch.arange(b, device=dev)  # original row of each active row
-        prefix_ids, prefix_info = prompt_ids, TokenInfo.clean(prompt_valid)
-        cache = None
-        shift = model.config.shift_logits
-        if shift:  # the state of the token before the canvas predicts its first token (diffusion/shift.py)
-            before_idx = before_indices(prompt_valid, torch.zeros(b, 1, dtype=torch.long, device=dev), c)[:, 0]
-        before = None  # [rows of the canvas batch, d]
-        if self.use_cache:
-            cache = KVCache(b, p + self.max_canvases * c)
-            if p:
-                h = model(prompt_ids, info=prefix_info, cache=cache, return_hidden=True)  # keys only: no LM head
-                before = h[torch.arange(b, device=dev), before_idx] if shift else None
-
-        grid = time_grid(self.num_steps, t_max=self.t_max)
         embed = model.model.embed_tokens.weight
-        aliases = stop_aliases(embed, self.stop_ids, self.stop_alias_cos) if self.stop_alias_cos else {}
-        for k in range(self.max_canvases):
-            a = active.numel()
-            pos = start[active][:, None] + k * c + torch.arange(c, device=dev)[None, :]
-            blocks = torch.full((a, c), k + 1, dtype=torch.long, device=dev)
-            ones = torch.ones(a, c, dtype=torch.bool, device=dev)
-            noisy = TokenInfo(pos, blocks, ones, ones)
-            state = CanvasState(tokens=self.noise.noise_like((a, c), generator=generator, device=dev),
-                                committed=torch.zeros(a, c, dtype=torch.bool, device=dev),
-                                prev_pred=None, prev_conf=None)
-            if hints is not None and hints.shape[1] > k * c:
-                state = state.pin(hints[active][:, k * c:(k + 1) * c])
-            canvas = torch.empty(a, c, dtype=torch.long, device=dev)
-            running = torch.arange(a, device=dev)  # rows of the canvas batch still denoising
-            self.stop.reset(a)
-            selfcond = None
-            ctx_cache, ctx_ids, ctx_info = cache, prefix_ids, prefix_info
-            for i in range(self.num_steps):
-                t = grid[i].expand(running.numel()).to(dev)
-                if self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
-                    hidden = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
-                                   write=False, selfcond=selfcond, t=t, return_hidden=True)
-                else:
-                    ids = torch.cat([ctx_ids, state.tokens], 1)
-                    full = model(ids, info=ctx_info.cat(noisy[running]), selfcond=_pad_left(selfcond, ctx_ids), t=t,
-                                 return_hidden=True)
-                    hidden = full[:, -c:]
-                    if shift:  # the clean context's states equal the encoder's: read the one before the canvas
-                        at = before_idx[active][running] if k == 0 else torch.full_like(running, ctx_ids.shape[1] - 1)
-                        before = full[torch.arange(running.numel(), device=dev), at]
-                if shift:
-                    row_before = before if not self.use_cache else before[running]
-                    hidden = shift_to_canvas(hidden, row_before[:, None], c)
-                # committed positions can no longer change: the LM head runs on the open ones only
-                open_ = ~state.committed if self.skip_committed and self.step.commits else None
-                logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
-                logits = fold_aliases(logits, aliases)
-                if self.min_stop_prob > 0 and self.stop_ids:
-                    logits = gate_stop_tokens(logits, self.stop_ids, self.min_stop_prob)
-                for r in active[running].tolist():
-                    fwd[r] += 1
-                is_last = i == self.num_steps - 1
-                state = self.step(state, logits, float(grid[i]), float(grid[i + 1]), generator=generator,
-                                  is_last=is_last)
-                if self.fill_after_stop and open_ is not None and self.stop_ids:
-                    state = fill_after_stop(state, self.stop_ids)
-                temp = self.step.sampling_temperature(float(grid[i]), self.temperature)
-                if model.self_conditioning is not None:  # T <= 0 (greedy) conditions on the plain softmax
-                    selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, embed, state.tokens, open_)
-                done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
-                    self.stop.update(logits, temp)
-                settled = state.committed.all(-1)  # every position committed: nothing left to denoise
-                done = done | settled
-                if self.on_step is not None:
-                    self.on_step(canvas=k, step=i, t=float(grid[i]), rows=active[running].tolist(),
-                                 tokens=state.tokens, committed=state.committed, argmax=logits.argmax(-1), done=done)
-                if self.record:
-                    argmax = logits.argmax(-1)
-                    for j, r in enumerate(active[running].tolist()):
-                        traj[r].append({"canvas": k, "step": i, "t": float(grid[i]), "tokens": state.tokens[j].tolist(),
-                                        "committed": state.committed[j].tolist(), "argmax": argmax[j].tolist()})
-                if done.any():
-                    # rows that completed the schedule emit their final state; early-stopped rows
-                    # emit the argmax canvas of their last prediction
-                    final = state.tokens if is_last else torch.where(settled[:, None], state.tokens,
-                                                                     logits.argmax(-1))
-                    canvas[running[done]] = final[done]
-                    for r in active[running[done]].tolist():
-                        steps_used[r].append(i + 1)
-                    keep = ~done
-                    running = running[keep]
-                    if running.numel() == 0:
-                        break
-                    state = state.select(keep)
-                    self.stop.select(keep.nonzero().squeeze(1))
-                    selfcond = None if selfcond is None else selfcond[keep]
-                    if self.use_cache:
-                        ctx_cache = cache.select(running)
-                    else:
-                        ctx_ids, ctx_info = prefix_ids[running], prefix_info[running]
+        d = Decoding(
+            start=prompt_valid.long().sum(-1), active=torch.arange(b, device=dev),
+            prefix_ids=prompt_ids, prefix_info=TokenInfo.clean(prompt_valid),
+            grid=time_grid(self.num_steps, t_max=self.t_max), embed=embed,
+            aliases=stop_aliases(embed, self.stop_ids, self.stop_alias_cos) if self.stop_alias_cos else {},
+            out=[[] for _ in range(b)], fwd=[1 if p else 0] * b,  # an empty prompt has no prefill
+            steps_used=[[] for _ in range(b)], traj=[[] for _ in range(b)] if self.record else None)
+        if model.config.shift_logits:  # the state of the token before the canvas predicts its first token
+            if not p:
+                raise DGemmaError("a shift_logits model predicts a canvas's first token from the token before it: "
+                                  "it needs a prompt (at least BOS)")
+            zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+            d.before_idx = before_indices(prompt_valid, zero, self.canvas_size)[:, 0]
+        if self.use_cache:
+            d.cache = KVCache(b, p + self.max_canvases * self.canvas_size)
+            if p:
+                h = model(prompt_ids, info=d.prefix_info, cache=d.cache, return_hidden=True)  # keys only: no LM head
+                d.before = h[torch.arange(b, device=dev), d.before_idx] if d.before_idx is not None else None
+        return d
 
-            # cut at stop tokens; finished rows leave the batch
-            finished = torch.zeros(a, dtype=torch.bool, device=dev)
-            for j in range(a):
-                row = canvas[j].tolist()
-                cut = next((n + 1 for n, tok in enumerate(row) if tok in self.stop_ids), None)
-                out[int(active[j])].extend(row if cut is None else row[:cut])
-                finished[j] = cut is not None
-            keep = ~finished
-            if k == self.max_canvases - 1 or not keep.any():
-                break
-            active, canvas, pos, blocks = active[keep], canvas[keep], pos[keep], blocks[keep]
-            clean = TokenInfo(pos, blocks, torch.zeros_like(canvas, dtype=torch.bool),
-                              torch.ones_like(canvas, dtype=torch.bool))
-            if self.use_cache:
-                cache = cache.select(keep.nonzero().squeeze(1))
-                h = model(canvas, info=clean, cache=cache, return_hidden=True)  # append: encoder pass, keys only
-                before = h[:, -1] if shift else None
-                for r in active.tolist():
-                    fwd[r] += 1
+    def denoise_canvas(self, model, d: "Decoding", k: int, *, generator: torch.Generator,
+                       hints: Tensor | None = None) -> Tensor:
+        """Canvas ``k`` of every active row, from pure noise to tokens: ``[A, C]``.
+
+        One decoder forward per step against the cache (no write); a row whose stopping rule
+        fires, or whose positions are all committed, leaves the step batch with its canvas.
+        """
+        a, c, dev = d.active.numel(), self.canvas_size, d.active.device
+        d.pos = d.start[d.active][:, None] + k * c + torch.arange(c, device=dev)[None, :]
+        d.blocks = torch.full((a, c), k + 1, dtype=torch.long, device=dev)
+        ones = torch.ones(a, c, dtype=torch.bool, device=dev)
+        noisy = TokenInfo(d.pos, d.blocks, ones, ones)
+        state = CanvasState(tokens=self.noise.noise_like((a, c), generator=generator, device=dev),
+                            committed=torch.zeros(a, c, dtype=torch.bool, device=dev),
+                            prev_pred=None, prev_conf=None)
+        if hints is not None and hints.shape[1] > k * c:
+            state = state.pin(hints[d.active][:, k * c:(k + 1) * c])
+        canvas = torch.empty(a, c, dtype=torch.long, device=dev)
+        running = torch.arange(a, device=dev)  # rows of the canvas batch still denoising
+        self.stop.reset(a)
+        selfcond = None
+        ctx_cache, ctx_ids, ctx_info = d.cache, d.prefix_ids, d.prefix_info
+        grid = d.grid
+        for i in range(self.num_steps):
+            t = grid[i].expand(running.numel()).to(dev)
+            if self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
+                hidden = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
+                               write=False, selfcond=selfcond, t=t, return_hidden=True)
+                before = d.before[running] if d.before is not None else None
             else:
-                prefix_ids = torch.cat([prefix_ids[keep], canvas], 1)
-                prefix_info = prefix_info[keep].cat(clean)
-        return SampleResult(out, fwd, steps_used, time.perf_counter() - t0, traj)
+                full = model(torch.cat([ctx_ids, state.tokens], 1), info=ctx_info.cat(noisy[running]),
+                             selfcond=_pad_left(selfcond, ctx_ids), t=t, return_hidden=True)
+                hidden = full[:, -c:]
+                before = None
+                if d.before_idx is not None:  # the clean context's states equal the encoder's
+                    at = d.before_idx[d.active][running] if k == 0 else torch.full_like(running, ctx_ids.shape[1] - 1)
+                    before = full[torch.arange(running.numel(), device=dev), at]
+            if before is not None:
+                hidden = shift_to_canvas(hidden, before[:, None], c)
+            # committed positions can no longer change: the LM head runs on the open ones only
+            open_ = ~state.committed if self.skip_committed and self.step.commits else None
+            logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
+            logits = fold_aliases(logits, d.aliases)
+            if self.min_stop_prob > 0 and self.stop_ids:
+                logits = gate_stop_tokens(logits, self.stop_ids, self.min_stop_prob)
+            rows = d.active[running].tolist()
+            for r in rows:
+                d.fwd[r] += 1
+            is_last = i == self.num_steps - 1
+            state = self.step(state, logits, float(grid[i]), float(grid[i + 1]), generator=generator,
+                              is_last=is_last)
+            if self.fill_after_stop and open_ is not None and self.stop_ids:
+                state = fill_after_stop(state, self.stop_ids)
+            temp = self.step.sampling_temperature(float(grid[i]), self.temperature)
+            if model.self_conditioning is not None:  # T <= 0 (greedy) conditions on the plain softmax
+                selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, d.embed, state.tokens, open_)
+            done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
+                self.stop.update(logits, temp)
+            settled = state.committed.all(-1)  # every position committed: nothing left to denoise
+            done = done | settled
+            if self.on_step is not None:
+                self.on_step(canvas=k, step=i, t=float(grid[i]), rows=rows, tokens=state.tokens,
+                             committed=state.committed, argmax=logits.argmax(-1), done=done)
+            if d.traj is not None:
+                argmax = logits.argmax(-1)
+                for j, r in enumerate(rows):
+                    d.traj[r].append({"canvas": k, "step": i, "t": float(grid[i]), "tokens": state.tokens[j].tolist(),
+                                      "committed": state.committed[j].tolist(), "argmax": argmax[j].tolist()})
+            if done.any():
+                # rows that completed the schedule emit their final state; early-stopped rows
+                # emit the argmax canvas of their last prediction
+                final = state.tokens if is_last else torch.where(settled[:, None], state.tokens, logits.argmax(-1))
+                canvas[running[done]] = final[done]
+                for r in d.active[running[done]].tolist():
+                    d.steps_used[r].append(i + 1)
+                keep = ~done
+                running = running[keep]
+                if running.numel() == 0:
+                    break
+                state = state.select(keep)
+                self.stop.select(keep.nonzero().squeeze(1))
+                selfcond = None if selfcond is None else selfcond[keep]
+                if self.use_cache:
+                    ctx_cache = d.cache.select(running)
+                else:
+                    ctx_ids, ctx_info = d.prefix_ids[running], d.prefix_info[running]
+        return canvas
+
+    def append(self, model, d: "Decoding", canvas: Tensor, *, last: bool) -> bool:
+        """Cut each row's canvas at its first stop token (that row is finished) and append the
+        canvases of the others to the context (one encoder forward, writes the cache). Returns
+        whether any row goes on to another canvas."""
+        a = d.active.numel()
+        finished = torch.zeros(a, dtype=torch.bool, device=canvas.device)
+        for j in range(a):
+            row = canvas[j].tolist()
+            cut = next((n + 1 for n, tok in enumerate(row) if tok in self.stop_ids), None)
+            d.out[int(d.active[j])].extend(row if cut is None else row[:cut])
+            finished[j] = cut is not None
+        keep = ~finished
+        if last or not keep.any():
+            return False
+        d.active, canvas, d.pos, d.blocks = d.active[keep], canvas[keep], d.pos[keep], d.blocks[keep]
+        clean = TokenInfo(d.pos, d.blocks, torch.zeros_like(canvas, dtype=torch.bool),
+                          torch.ones_like(canvas, dtype=torch.bool))
+        if self.use_cache:
+            d.cache = d.cache.select(keep.nonzero().squeeze(1))
+            h = model(canvas, info=clean, cache=d.cache, return_hidden=True)  # append: encoder pass, keys only
+            d.before = h[:, -1] if d.before_idx is not None else None
+            for r in d.active.tolist():
+                d.fwd[r] += 1
+        else:
+            d.prefix_ids = torch.cat([d.prefix_ids[keep], canvas], 1)
+            d.prefix_info = d.prefix_info[keep].cat(clean)
+        return True
+
+
+@dataclass(kw_only=True, eq=False)
+class Decoding:
+    """One :class:`CanvasSampler` call's state between :meth:`~CanvasSampler.prefill`,
+    :meth:`~CanvasSampler.denoise_canvas` and :meth:`~CanvasSampler.append`. Row tensors are
+    indexed by the *active* rows (``active`` maps them to the caller's rows); the per-row
+    results (``out``, ``fwd``, ``steps_used``, ``traj``) by the caller's rows."""
+
+    start: Tensor  # [B] first canvas position of each row (its prompt length)
+    active: Tensor  # [A] caller's row of each active row
+    prefix_ids: Tensor  # [A, P'] prompt and appended canvases (read only without the cache)
+    prefix_info: TokenInfo
+    grid: Tensor  # the time grid, num_steps + 1 points from t_max to 0
+    embed: Tensor  # [V, d] the input embedding (self-conditioning signal)
+    aliases: dict  # stop token -> ids folded into it (stop_alias_cos)
+    out: list  # per caller row: its generated tokens
+    fwd: list  # per caller row: forward passes it took part in
+    steps_used: list  # per caller row: steps per canvas
+    traj: list | None = None
+    cache: KVCache | None = None
+    before_idx: Tensor | None = None  # shift_logits: [B] index of the prompt's last token
+    before: Tensor | None = None  # shift_logits: [A, d] the clean state before the next canvas
+    pos: Tensor | None = None  # [A, C] positions of the current canvas
+    blocks: Tensor | None = None  # [A, C] its block id
 
 
 def gate_stop_tokens(logits: Tensor, stop_ids: tuple[int, ...], min_prob: float) -> Tensor:
