@@ -71,14 +71,29 @@ def encode_prompts(tokenizer, records: list[dict], prompt_len: int, *, pad_to: i
     return ids.to(device), valid.to(device), sum(t for _, t in enc)
 
 
+def response_end_id(tokenizer, response_end: str = "end_of_turn") -> int:
+    """The id appended to every response (``data.response_end``): ``<end_of_turn>`` as in Gemma's
+    chat format, or EOS. A fine-tune of Gemma 3 270M needs EOS: its ``<end_of_turn>`` row is a
+    near-duplicate of thousands of untrained rows, so the tied head cannot rank it first
+    (``dgemma/diffusion/sampler.py:stop_aliases``)."""
+    if response_end == "eos":
+        return tokenizer.eos_id
+    if response_end != "end_of_turn":
+        raise DGemmaError(f"data.response_end must be 'end_of_turn' or 'eos', got {response_end!r}")
+    end = getattr(tokenizer, "end_of_turn_id", None)
+    if end is None:
+        raise DGemmaError("this tokenizer has no <end_of_turn> token: set data.response_end='eos'")
+    return end
+
+
 def encode_example(tokenizer, record: dict, *, prompt_len: int, num_canvases: int, canvas_size: int,
-                   hint_fn=None) -> Example:
+                   hint_fn=None, response_end: str = "end_of_turn") -> Example:
     """``hint_fn(record, response_ids) -> list[int] | None`` pins known response tokens (``-1`` = free)."""
     for key in ("prompt", "response"):
         if not isinstance(record.get(key), str):
             raise DGemmaError(f"record {record.get('id', '?')!r} has no string field {key!r}")
     prompt, truncated = encode_prompt(tokenizer, record, prompt_len)
-    response = tokenizer.encode(record["response"]) + [tokenizer.end_of_turn_id]
+    response = tokenizer.encode(record["response"]) + [response_end_id(tokenizer, response_end)]
     canvases = chunk_response(response, num_canvases=num_canvases, canvas_size=canvas_size,
                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     hint = None
@@ -164,11 +179,13 @@ class SFTData:
     """A pre-tokenised JSONL data set with :meth:`batch` drawing from a :class:`DataOrder`."""
 
     def __init__(self, path: str | Path | None, tokenizer, *, prompt_len: int, num_canvases: int, canvas_size: int,
-                 limit: int | None = None, records: list[dict] | None = None, hint_fn=None):
+                 limit: int | None = None, records: list[dict] | None = None, hint_fn=None,
+                 response_end: str = "end_of_turn"):
         records = (read_jsonl(path) if records is None else records)[:limit]
         self.prompt_len, self.pad_id = prompt_len, tokenizer.pad_id
         self.examples = [encode_example(tokenizer, r, prompt_len=prompt_len, num_canvases=num_canvases,
-                                        canvas_size=canvas_size, hint_fn=hint_fn) for r in records]
+                                        canvas_size=canvas_size, hint_fn=hint_fn, response_end=response_end)
+                         for r in records]
         self.num_truncated = sum(ex.truncated for ex in self.examples)
 
     def __len__(self) -> int:

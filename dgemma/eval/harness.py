@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dgemma.data.sft import encode_prompts
+from dgemma.data.sft import encode_prompts, response_end_id
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import evaluate_verified
@@ -137,7 +137,7 @@ def clue_hints(run, records: list[dict], width: int) -> torch.Tensor | None:
         return None
     tok, rows = run.tokenizer, []
     for r in records:
-        pins = fn(r, tok.encode(r["response"]) + [tok.end_of_turn_id]) or []
+        pins = fn(r, tok.encode(r["response"]) + [response_end_id(tok, run.cfg.data.response_end)]) or []
         rows.append((list(pins) + [-1] * width)[:width])
     return torch.tensor(rows, dtype=torch.long)
 

@@ -41,9 +41,10 @@ def data_dir(cfg) -> Path | None:
 
 
 def canvas_shape(cfg) -> dict:
-    """The keyword arguments every training data set takes: prompt length and canvas geometry."""
+    """The keyword arguments every training data set takes: prompt length, canvas geometry and
+    the token that ends a response."""
     return {"prompt_len": cfg.data.prompt_len, "num_canvases": cfg.diffusion.num_canvases,
-            "canvas_size": cfg.diffusion.canvas_size}
+            "canvas_size": cfg.diffusion.canvas_size, "response_end": cfg.data.response_end}
 
 
 def count(cfg, limit: int | None) -> int:

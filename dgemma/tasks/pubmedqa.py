@@ -5,7 +5,9 @@ final_decision; ``test_ground_truth.json`` maps the 500 test ids to their decisi
 ground-truth file are the ``test`` split; of the other 500, in file order, the first 50 are
 ``train_eval`` and 450 are ``train``. The prompt is ``Context:\n{contexts}\n\nQuestion: {question}``
 (contexts capped at 4,000 characters) under :data:`SYSTEM_PROMPT`; the target is ``LONG_ANSWER``
-then `` The answer is: {yes|no|maybe}``. Scoring reads the decision back with one regex
+then `` The answer is: {yes|no|maybe}`` (``--verdict last``, the default), or the verdict first:
+``The answer is: {decision}. LONG_ANSWER`` under :data:`SYSTEM_PROMPT_FIRST` (``--verdict first``;
+each record says which in its ``verdict`` field). Scoring reads the decision back with one regex
 (:func:`extract_decision`, no fallback) and the explanation's BLEU against LONG_ANSWER.
 Majority class on the test split: yes, 276 of 500 (55.2%). Pure Python at import (sacrebleu is
 imported where BLEU is computed).
@@ -32,6 +34,12 @@ SYSTEM_PROMPT = (
     "the question. Explain your reasoning in a few sentences based on the context, then end with "
     '"The answer is: " followed by exactly one of yes, no or maybe.'
 )
+SYSTEM_PROMPT_FIRST = (
+    "You are a biomedical research assistant. Read the context from a PubMed abstract and answer "
+    'the question. Begin with "The answer is: " followed by exactly one of yes, no or maybe, then '
+    "explain your reasoning in a few sentences based on the context."
+)
+VERDICTS = ("last", "first")
 REQUIRED_FIELDS = {"QUESTION": str, "CONTEXTS": list, "LONG_ANSWER": str, "final_decision": str}
 
 
@@ -119,34 +127,50 @@ def format_prompt(contexts: list[str], question: str) -> str:
     return f"Context:\n{chr(10).join(contexts)[:CONTEXT_CHARS]}\n\nQuestion: {question}"
 
 
-def format_target(long_answer: str, decision: str) -> str:
-    """``LONG_ANSWER + " The answer is: {decision}"``, the tail the metric's regex reads back."""
+def _check_verdict(verdict: str) -> None:
+    if verdict not in VERDICTS:
+        raise DGemmaError(f"PubMedQA verdict position must be 'last' or 'first', got {verdict!r}")
+
+
+def format_target(long_answer: str, decision: str, verdict: str = "last") -> str:
+    """``LONG_ANSWER + " The answer is: {decision}"`` (``verdict="last"``), or
+    ``"The answer is: {decision}. " + LONG_ANSWER`` (``"first"``): the sentence the metric's regex
+    reads back.
+
+    Verdict first puts the one token the metric reads in a response's first canvas, where a
+    block-diffusion decoder writes it from the question and context alone; verdict last makes it
+    follow 30-60 tokens of the model's own parallel text, which it was trained to trust as the
+    reference explanation.
+    """
     if decision not in LABELS:
         raise DGemmaError(f"PubMedQA decision must be yes, no or maybe, got {decision!r}")
-    return f"{long_answer} The answer is: {decision}"
+    _check_verdict(verdict)
+    return f"The answer is: {decision}. {long_answer}" if verdict == "first" else f"{long_answer} The answer is: {decision}"
 
 
-def make_record(pmid: str, item: dict) -> dict:
-    """The JSONL record of one item: ``{id, system, prompt, response, label, long_answer}``."""
+def make_record(pmid: str, item: dict, verdict: str = "last") -> dict:
+    """The JSONL record of one item: ``{id, system, prompt, response, label, long_answer, verdict}``."""
     return {
         "id": pmid,
-        "system": SYSTEM_PROMPT,
+        "system": SYSTEM_PROMPT_FIRST if verdict == "first" else SYSTEM_PROMPT,
         "prompt": format_prompt(item["CONTEXTS"], item["QUESTION"]),
-        "response": format_target(item["LONG_ANSWER"], item["final_decision"]),
+        "response": format_target(item["LONG_ANSWER"], item["final_decision"], verdict),
         "label": item["final_decision"],
         "long_answer": item["LONG_ANSWER"],
+        "verdict": verdict,
     }
 
 
-def write_splits(source_dir, out_dir) -> dict:
+def write_splits(source_dir, out_dir, verdict: str = "last") -> dict:
     """Write ``train.jsonl``, ``train_eval.jsonl``, ``test.jsonl`` and ``meta.json``; return the meta."""
+    _check_verdict(verdict)
     items, test = load(source_dir)
     splits = split_ids(items, test)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     label_counts = {}
     for name, ids in splits.items():
-        records = [make_record(pmid, items[pmid]) for pmid in ids]
+        records = [make_record(pmid, items[pmid], verdict) for pmid in ids]
         tmp = out / f"{name}.jsonl.tmp"
         with tmp.open("w", encoding="utf-8") as f:
             for r in records:
@@ -161,7 +185,8 @@ def write_splits(source_dir, out_dir) -> dict:
         "label_counts": label_counts,
         "context_chars": CONTEXT_CHARS,
         "truncated_contexts": sum(len("\n".join(it["CONTEXTS"])) > CONTEXT_CHARS for it in items.values()),
-        "system": SYSTEM_PROMPT,
+        "system": SYSTEM_PROMPT_FIRST if verdict == "first" else SYSTEM_PROMPT,
+        "verdict": verdict,
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta
@@ -184,23 +209,30 @@ def extract_decision(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _bleu_hypothesis(text: str) -> str:
-    """The explanation part of an output: the text before "the answer is" (the target appends
-    that sentence to LONG_ANSWER, so leaving it in would cap a perfect output below 100)."""
-    m = re.search(r"the answer is", text, re.IGNORECASE)
-    return (text[: m.start()] if m else text).strip()
+VERDICT_SENTENCE_RE = re.compile(r"the answer is[:\s]*(?:\b(?:yes|no|maybe)\b)?\.?", re.IGNORECASE)
+
+
+def _bleu_hypothesis(text: str, verdict: str = "last") -> str:
+    """The explanation part of an output: the text before "the answer is" (verdict last), or
+    after the verdict sentence "The answer is: X." (verdict first). The target adds that sentence
+    to LONG_ANSWER, so leaving it in would cap a perfect output below 100."""
+    m = VERDICT_SENTENCE_RE.search(text)
+    if not m:
+        return text.strip()
+    return (text[m.end():] if verdict == "first" else text[: m.start()]).strip()
 
 
 def _f1(tp: int, n_pred: int, n_label: int) -> float:
     return 2 * tp / (n_pred + n_label) if n_pred + n_label else 0.0
 
 
-def pubmedqa_metrics(texts, labels, long_answers) -> dict:
+def pubmedqa_metrics(texts, labels, long_answers, verdicts=None) -> dict:
     """PubMedQA metrics over a batch.
 
     Keys: ``accuracy`` (unparsed outputs count as wrong), ``macro_f1``, ``f1_{yes,no,maybe}``,
     ``bleu`` (mean sacrebleu sentence BLEU, smooth 'floor', effective order, of the explanation
-    before "the answer is" against LONG_ANSWER), ``label_{c}`` and ``pred_{c}`` counts,
+    before "the answer is", or after the verdict sentence where ``verdicts[k] == "first"``, against
+    LONG_ANSWER), ``label_{c}`` and ``pred_{c}`` counts,
     ``unparsed`` and ``count``.
 
     ``macro_f1`` averages F1 over the classes that occur among the labels or the predictions. A
@@ -233,19 +265,24 @@ def pubmedqa_metrics(texts, labels, long_answers) -> dict:
             present.append(out[f"f1_{c}"])
     out["macro_f1"] = sum(present) / len(present) if present else 0.0
     out["unparsed"] = sum(p is None for p in preds)
-    out["bleu"] = _mean_bleu(texts, long_answers)
+    verdicts = ["last"] * n if verdicts is None else list(verdicts)
+    if len(verdicts) != n:
+        raise DGemmaError(f"pubmedqa_metrics: got {len(verdicts)} verdict positions for {n} texts")
+    for v in verdicts:
+        _check_verdict(v)
+    out["bleu"] = _mean_bleu(texts, long_answers, verdicts)
     return out
 
 
-def _mean_bleu(texts: list[str], refs: list[str]) -> float:
+def _mean_bleu(texts: list[str], refs: list[str], verdicts: list[str]) -> float:
     if not texts:
         return 0.0
     from sacrebleu.metrics import BLEU
 
     bleu = BLEU(smooth_method="floor", effective_order=True)
     total = 0.0
-    for t, r in zip(texts, refs):
-        total += bleu.sentence_score(_bleu_hypothesis(t if isinstance(t, str) else ""), [r]).score
+    for t, r, v in zip(texts, refs, verdicts):
+        total += bleu.sentence_score(_bleu_hypothesis(t if isinstance(t, str) else "", v), [r]).score
     return total / len(texts)
 
 
@@ -263,15 +300,19 @@ class PubMedQATask(Task):
     def add_prepare_args(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--source", required=True, help="folder with ori_pqal.json and test_ground_truth.json")
         parser.add_argument("--out", required=True, help="output folder")
+        parser.add_argument("--verdict", choices=VERDICTS, default="last",
+                            help='where the target puts "The answer is: X": after the explanation (default) or first')
 
     def prepare(self, args: argparse.Namespace) -> str:
-        c = write_splits(args.source, args.out)["counts"]
-        return f"pubmedqa: {c['train']} train, {c['train_eval']} train_eval, {c['test']} test -> {args.out}"
+        c = write_splits(args.source, args.out, args.verdict)["counts"]
+        return (f"pubmedqa: {c['train']} train, {c['train_eval']} train_eval, {c['test']} test, "
+                f"verdict {args.verdict} -> {args.out}")
 
     def score(self, texts, records) -> dict:
-        return pubmedqa_metrics(texts, [r["label"] for r in records], [r["long_answer"] for r in records])
+        return pubmedqa_metrics(texts, [r["label"] for r in records], [r["long_answer"] for r in records],
+                                [r.get("verdict", "last") for r in records])
 
     def score_one(self, text: str, record: dict) -> dict:
-        m = pubmedqa_metrics([text], [record["label"]], [record["long_answer"]])
+        m = pubmedqa_metrics([text], [record["label"]], [record["long_answer"]], [record.get("verdict", "last")])
         return {"prediction": extract_decision(text), "label": record["label"], "accuracy": m["accuracy"],
                 "bleu": m["bleu"]}

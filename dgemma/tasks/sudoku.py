@@ -180,12 +180,13 @@ class SudokuStream:
     """
 
     def __init__(self, tokenizer, *, prompt_len: int, num_canvases: int, canvas_size: int, seed: int = 0,
-                 clues: tuple[int, int] = (17, 50), pool: int = 512, size: int = 10_000_000, hint_fn=None):
+                 clues: tuple[int, int] = (17, 50), pool: int = 512, size: int = 10_000_000, hint_fn=None,
+                 response_end: str = "end_of_turn"):
         rnd = random.Random(seed)
         self.pool = [random_grid(rnd) for _ in range(pool)]
         self.tokenizer, self.seed, self.clues, self.size = tokenizer, seed, clues, size
         self.kw = {"prompt_len": prompt_len, "num_canvases": num_canvases, "canvas_size": canvas_size,
-                   "hint_fn": hint_fn}
+                   "hint_fn": hint_fn, "response_end": response_end}
         self.prompt_len, self.pad_id = prompt_len, tokenizer.pad_id
 
     def __len__(self) -> int:

@@ -92,6 +92,7 @@ class DataConfig:
     pin_clues: bool = False  # sudoku: clues pinned in the canvas (infilling), never noised nor scored
     path: str | None = None  # None: the task's default source (generator, shared data set)
     prompt_len: int = 256  # 0 for pretraining (no prompt: the whole window is canvases)
+    response_end: Literal["end_of_turn", "eos"] = "end_of_turn"  # the token appended to every response
     trim_prompt_padding: bool = False  # cut each step's prompts to its longest one (same math, fewer FLOPs)
     batch_size: int = 8  # per optimiser micro-step and rank
     num_workers: int = 0

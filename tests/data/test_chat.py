@@ -288,3 +288,28 @@ def test_conversation_problem_accepts_minimal_and_system_conversations():
     assert conversation_problem({"messages": [{"role": "user", "content": ""},
                                               {"role": "assistant", "content": "x"}]}) is None
     assert conversation_problem({"messages": CONV}) is None
+
+
+def test_response_end_appends_end_of_turn_or_eos(tok):
+    import torch
+
+    from dgemma.data.sft import SFTData, encode_example, response_end_id
+
+    rec = {"id": "r", "prompt": "What is 2 + 2?", "response": "The answer is 4."}
+    body = tok.encode(rec["response"])
+    kw = dict(prompt_len=32, num_canvases=2, canvas_size=16)
+    for end, end_id in (("end_of_turn", tok.end_of_turn_id), ("eos", tok.eos_id)):
+        assert response_end_id(tok, end) == end_id
+        canvases = encode_example(tok, rec, response_end=end, **kw).canvases
+        flat = canvases.tokens.tolist()
+        assert flat[: len(body) + 1] == body + [end_id]
+    assert tok.end_of_turn_id != tok.eos_id
+    default = SFTData(None, tok, records=[rec], **kw).examples[0].canvases.tokens
+    assert torch.equal(default, encode_example(tok, rec, **kw).canvases.tokens)
+    eos = SFTData(None, tok, records=[rec], response_end="eos", **kw).examples[0].canvases.tokens
+    assert torch.equal(eos, encode_example(tok, rec, response_end="eos", **kw).canvases.tokens)
+    assert not torch.equal(default, eos)
+    with pytest.raises(DGemmaError, match="response_end must be"):
+        response_end_id(tok, "eot")
+    with pytest.raises(DGemmaError, match="no <end_of_turn>"):
+        response_end_id(types.SimpleNamespace(eos_id=1, end_of_turn_id=None), "end_of_turn")

@@ -46,7 +46,8 @@ def test_real_record_format(real):
     pmid = next(iter(items))
     it = items[pmid]
     r = P.make_record(pmid, it)
-    assert set(r) == {"id", "system", "prompt", "response", "label", "long_answer"}
+    assert set(r) == {"id", "system", "prompt", "response", "label", "long_answer", "verdict"}
+    assert r["verdict"] == "last" and r["system"] == P.SYSTEM_PROMPT
     assert r["prompt"] == "Context:\n" + "\n".join(it["CONTEXTS"]) + "\n\nQuestion: " + it["QUESTION"]
     assert r["response"] == it["LONG_ANSWER"] + " The answer is: " + it["final_decision"]
     assert r["label"] == it["final_decision"] and r["long_answer"] == it["LONG_ANSWER"]
@@ -115,10 +116,50 @@ def test_bad_values(tmp_path):
 def test_cli_prepare_pubmedqa(tmp_path, capsys):
     out = tmp_path / "pq"
     assert main(["prepare", "pubmedqa", "--source", str(REAL), "--out", str(out)]) == 0
-    assert capsys.readouterr().out.strip() == f"pubmedqa: 450 train, 50 train_eval, 500 test -> {out}"
+    assert capsys.readouterr().out.strip() == f"pubmedqa: 450 train, 50 train_eval, 500 test, verdict last -> {out}"
     for name, n in (("train", 450), ("train_eval", 50), ("test", 500)):
         assert len((out / f"{name}.jsonl").read_text().splitlines()) == n
     meta = json.loads((out / "meta.json").read_text())
     assert meta["label_counts"]["test"] == {"yes": 276, "no": 169, "maybe": 55}
     assert main(["prepare", "pubmedqa", "--source", str(tmp_path / "none"), "--out", str(out)]) == 2
     assert "source directory not found" in capsys.readouterr().err
+
+
+def test_verdict_first_target_record_and_prepare(tmp_path, capsys):
+    assert P.format_target("Long.", "no", "first") == "The answer is: no. Long."
+    with pytest.raises(DGemmaError, match="'last' or 'first'"):
+        P.format_target("Long.", "no", "middle")
+    items = {str(i): _item(decision=("yes", "no", "maybe")[i % 3]) for i in range(60)}
+    test = {"3": "yes"}
+    out = tmp_path / "first"
+    assert main(["prepare", "pubmedqa", "--source", str(_source(tmp_path, items, test)), "--out", str(out),
+                 "--verdict", "first"]) == 0
+    assert capsys.readouterr().out.strip() == f"pubmedqa: 9 train, 50 train_eval, 1 test, verdict first -> {out}"
+    r = json.loads((out / "test.jsonl").read_text())
+    assert r["response"] == "The answer is: yes. Because." and r["verdict"] == "first"
+    assert r["system"] == P.SYSTEM_PROMPT_FIRST and "Begin with" in r["system"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["verdict"] == "first" and meta["system"] == P.SYSTEM_PROMPT_FIRST
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "pubmedqa", "--source", str(REAL), "--out", str(out), "--verdict", "x"])
+    assert e.value.code == 2 and "invalid choice: 'x'" in capsys.readouterr().err
+
+
+def test_bleu_reads_the_explanation_on_either_side_of_the_verdict():
+    ref = "Statins lower the risk of stroke in older adults with diabetes."
+    first, last = f"The answer is: yes. {ref}", f"{ref} The answer is: yes"
+    assert P._bleu_hypothesis(first, "first") == ref and P._bleu_hypothesis(last, "last") == ref
+    assert P._bleu_hypothesis("The answer is: maybe", "first") == ""
+    assert P._bleu_hypothesis(ref, "first") == ref  # no verdict sentence: the whole text
+    m_first = P.pubmedqa_metrics([first], ["yes"], [ref], ["first"])
+    m_last = P.pubmedqa_metrics([last], ["yes"], [ref])
+    assert m_first["accuracy"] == m_last["accuracy"] == 1.0
+    assert m_first["bleu"] == pytest.approx(100.0) and m_last["bleu"] == pytest.approx(100.0)
+    # a verdict-first output scored as verdict-last has no explanation before the marker
+    assert P.pubmedqa_metrics([first], ["yes"], [ref], ["last"])["bleu"] < 1.0
+    task = P.PubMedQATask()
+    rec = {"label": "yes", "long_answer": ref, "verdict": "first"}
+    assert task.score([first], [rec])["bleu"] == pytest.approx(100.0)
+    assert task.score_one(first, rec)["bleu"] == pytest.approx(100.0)
+    with pytest.raises(DGemmaError, match="verdict positions"):
+        P.pubmedqa_metrics([first], ["yes"], [ref], [])
