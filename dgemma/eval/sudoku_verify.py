@@ -173,7 +173,7 @@ class _Tap:
         return out
 
 
-def _digit_ids(tokenizer) -> torch.Tensor:
+def cell_token_ids(tokenizer) -> torch.Tensor:
     ids = tokenizer.encode("123456789")
     if len(ids) != 9:
         raise DGemmaError("verified Sudoku solving pins cells, so it needs one token per cell "
@@ -260,7 +260,8 @@ def plan_round(rule: str, puzzle: str, grid: str, log: _Log, row: int) -> Plan:
     return Plan(pins, float(rank[pivot]) + 1 if pivot is not None else 0.0, pivot, rule)
 
 
-def _steps(free: int, num_steps: int) -> int:
+def round_steps(free: int, num_steps: int) -> int:
+    """The denoising steps of a round that re-noised ``free`` cells (at most ``num_steps``)."""
     return max(1, min(num_steps, STEP_QUANTUM * math.ceil(free / STEP_QUANTUM)))
 
 
@@ -289,7 +290,7 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
                           "a Sudoku board needs 81")
 
     puzzles = [parse_puzzle(p) for p in puzzles]
-    digit_ids = _digit_ids(tokenizer)
+    digit_ids = cell_token_ids(tokenizer)
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
     n, width = len(puzzles), sampler.canvas_size * sampler.max_canvases
@@ -352,7 +353,7 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
                                                                  float(log.conf[r, c]))
         groups: dict[int, list[int]] = {}
         for r in todo:
-            groups.setdefault(_steps(renoised[r][-1], sampler.num_steps), []).append(r)
+            groups.setdefault(round_steps(renoised[r][-1], sampler.num_steps), []).append(r)
         for steps, members in sorted(groups.items()):
             for lo in range(0, len(members), batch_size):
                 rows = members[lo:lo + batch_size]

@@ -6,7 +6,8 @@ Routes
                                   step types) and the request limits; loads nothing
     ``GET  /api/status``          sampling jobs: how many run, counts by outcome, the latest few
     ``GET  /api/sudoku/random``   ``?difficulty=easy|medium|hard`` -> a generated unique puzzle
-    ``POST /api/sudoku/solve``    JSON :class:`SolveRequest` -> an event stream
+    ``POST /api/sudoku/solve``    JSON :class:`SolveRequest` -> an event stream (``verify_rounds``:
+                                  the verified solve, its rounds as ``round`` events)
     ``POST /api/text/generate``   JSON :class:`TextRequest` -> an event stream
 
 A stream is Server-Sent Events (``text/event-stream``; the page reads it with ``fetch`` since
@@ -49,6 +50,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma.errors import DGemmaError
+from dgemma.eval.sudoku_verify import cell_token_ids
 from dgemma.serve.engine import (OPENAI_PREFIX, PRETRAINED, STATIC, SUDOKU_HINT, BodyLimit, Engine, JobStream, Jobs,
                                  Limits, ModelSlot, ServeError, SolveRequest, TextRequest, _bad, _validation_message,
                                  encode_user_prompt, error_response, load_engine, make_plan, solve_work, start_job,
@@ -161,9 +163,12 @@ def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small
             plan = make_plan(engine, req, ids, limits)
             plan.hints = sudoku_hints(engine, puzzle)
             plan.settings["pinned_clues"] = plan.hints is not None
+            plan.settings["verify_rounds"] = req.verify_rounds
+            if req.verify_rounds is not None:
+                cell_token_ids(engine.tokenizer)  # verification pins cells: one token per cell
         except DGemmaError as e:
             return _bad(str(e))
-        return _start("sudoku", lambda job: solve_work(engine, plan, job, puzzle))
+        return _start("sudoku", lambda job: solve_work(engine, plan, job, puzzle, req.verify_rounds))
 
     @app.post("/api/text/generate")
     async def generate(req: TextRequest):

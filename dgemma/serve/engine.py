@@ -40,6 +40,7 @@ from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
 from dgemma.diffusion.stopping import STOPPING
 from dgemma.errors import DGemmaError
+from dgemma.eval.sudoku_verify import round_steps, solve_verified
 from dgemma.eval.visualize import Frame, sudoku_cells, token_piece
 from dgemma.models.pretrained import load_pretrained
 from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases
@@ -515,8 +516,14 @@ class SampleParams(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
+MAX_VERIFY_ROUNDS = 32
+
+
 class SolveRequest(SampleParams):
     puzzle: str = Field(max_length=4096)
+    # re-noising rounds for a board that breaks a rule (dgemma/eval/sudoku_verify.py); None: the
+    # model's single answer, valid or not
+    verify_rounds: int | None = Field(None, ge=0, le=MAX_VERIFY_ROUNDS)
 
 
 class TextRequest(SampleParams):
@@ -719,6 +726,11 @@ class SudokuProgress(Progress):
         frame = Frame([(x, True) for x in self.earlier] + list(pieces), "")
         return [[d, k] for d, k in sudoku_cells(frame, self.puzzle, self.piece, self.stop_ids)]
 
+    def next_round(self, num_steps: int) -> None:
+        """A verified solve's next round: a fresh board of ``num_steps`` steps, one more prefill."""
+        self.num_steps, self.canvas, self.earlier = num_steps, 0, []
+        self.forwards += 1
+
     def emit_step(self, canvas, step, t, pieces, emitted) -> None:
         cells = self.cells(pieces)
         settled = sum(k == "committed" for _, k in cells)
@@ -726,35 +738,77 @@ class SudokuProgress(Progress):
                            "tokens_per_forward": round(settled / self.forwards, 4)})
 
 
-def solve_work(engine: Engine, plan: Plan, job: Job, puzzle: str) -> Callable:
+def board_verdict(puzzle: str, text: str) -> tuple[str | None, bool, str]:
+    """``(81 digits or None, solved, verdict)`` of a model's decoded answer to ``puzzle``."""
+    pred = extract_digits(text)
+    if pred is None:
+        return None, False, f"not a solution: the output holds {sum(c.isdigit() for c in text)} digits, not 81"
+    changed = [i for i, (p, a) in enumerate(zip(puzzle, pred)) if p != "0" and p != a]
+    err = grid_error(pred)
+    if changed:
+        i = changed[0]
+        return pred, False, (f"not a solution: the model's answer contradicts {len(changed)} clue(s), the first at "
+                             f"row {i // 9 + 1}, column {i % 9 + 1} (the board keeps the clues)")
+    if err:
+        return pred, False, f"not a valid solution: {err}"
+    return pred, True, "solved: a valid grid that keeps every clue"
+
+
+def solve_work(engine: Engine, plan: Plan, job: Job, puzzle: str, verify_rounds: int | None = None) -> Callable:
+    """The model's answer, streamed step by step; with ``verify_rounds`` the verified solve of
+    ``dgemma solve`` (round 0 is the same answer), its rounds streamed too, and the ``done``
+    event keeps the model-only and the verified figures apart."""
     def work(emit):
         emit("start", {"puzzle": puzzle, "clues": count_clues(puzzle), **plan.settings})
         progress = SudokuProgress(job, plan, emit, token_piece(engine.tokenizer), puzzle=puzzle,
                                   stop_ids=engine.stop_ids)
+        if verify_rounds is not None:
+            return verified_work(engine, plan, progress, emit, puzzle, verify_rounds)
         result = run_sampler(engine, plan, progress)
         tokens = result.tokens[0]
         progress.earlier = []
         cells = [[d, "empty" if k == "noisy" else k] for d, k in progress.cells([(x, True) for x in tokens])]
-        text = engine.tokenizer.decode(tokens)
-        pred = extract_digits(text)
-        if pred is None:
-            verdict, solved = f"not a solution: the output holds {sum(c.isdigit() for c in text)} digits, not 81", False
-        else:
-            changed = [i for i, (p, a) in enumerate(zip(puzzle, pred)) if p != "0" and p != a]
-            err = grid_error(pred)
-            if changed:
-                i = changed[0]
-                verdict = (f"not a solution: the model's answer contradicts {len(changed)} clue(s), the first at "
-                           f"row {i // 9 + 1}, column {i % 9 + 1} (the board keeps the clues)")
-            elif err:
-                verdict = f"not a valid solution: {err}"
-            else:
-                verdict = "solved: a valid grid that keeps every clue"
-            solved = not changed and err is None
+        pred, solved, verdict = board_verdict(puzzle, engine.tokenizer.decode(tokens))
         emit("done", {"cells": cells, "solution": pred, "solved": solved, "verdict": verdict,
                       "stats": progress.stats(result)})
 
     return work
+
+
+def verified_work(engine: Engine, plan: Plan, progress: "SudokuProgress", emit, puzzle: str, rounds: int) -> None:
+    num_steps = plan.sampler.num_steps
+
+    def on_round(k, rows, plans):
+        renoised = sum(p < 0 for p in plans[0].pins)
+        progress.next_round(round_steps(renoised, num_steps))
+        emit("round", {"round": k, "rounds": rounds, "rule": plans[0].rule, "renoised": renoised,
+                       "num_steps": progress.num_steps, "forwards": progress.forwards})
+
+    sampler = build_sampler(replace(plan.sampler, top_p=plan.top_p), noise=engine.noise,
+                            canvas_size=engine.info.canvas_size, stop_ids=engine.stop_ids, on_step=progress)
+    t0 = time.perf_counter()
+    [s] = solve_verified(engine.model, engine.tokenizer, [puzzle], sampler=sampler, rounds=rounds,
+                         prompt_len=engine.info.prompt_len, pin_clues=plan.hints is not None, seed=plan.seed,
+                         batch_size=1, on_round=on_round)
+    seconds = max(time.perf_counter() - t0 - progress.slept, 1e-9)
+    _, model_solved, model_verdict = board_verdict(puzzle, s.model_text)
+    if s.valid:
+        how = "the model's first board" if s.rounds == 0 else f"after {s.rounds} round(s) of re-noising"
+        verdict = f"verified: a valid grid that keeps every clue ({how}, {s.passes} forward passes)"
+    else:
+        verdict = (f"not solved: still breaks a rule after {s.rounds} round(s) of re-noising ({s.error}); "
+                   f"{s.passes} forward passes")
+    cells = [[d if d != "0" else "", "clue" if c != "0" else ("committed" if d != "0" else "empty")]
+             for d, c in zip(s.grid, puzzle)]
+    emit("done", {"cells": cells, "solution": s.grid if "0" not in s.grid else None, "solved": s.valid,
+                  "verdict": verdict,
+                  "model_only": {"solution": s.model_grid, "solved": model_solved, "verdict": model_verdict,
+                                 "forward_passes": s.model_passes},
+                  "verified": {"solved": s.valid, "rounds": s.rounds, "max_rounds": rounds,
+                               "forward_passes": s.passes, "round_passes": s.round_passes, "renoised": s.renoised,
+                               "seconds": round(seconds, 4)},
+                  "stats": {"forward_passes": s.passes, "seconds": round(seconds, 4),
+                            "delay_seconds": round(progress.slept, 3)}})
 
 
 class TextProgress(Progress):

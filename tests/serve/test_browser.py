@@ -89,6 +89,8 @@ def test_browser_solves_a_puzzle_step_by_step(sudoku_checkpoint, live_server, tm
             page.fill("#s-temperature", "0")
             page.select_option("#s-early_stopping", "none")
             page.fill("#s-delay_ms", "40")  # slow motion, so every step is painted
+            assert page.is_checked("#s-verify")  # the page verifies by default; first the model alone
+            page.uncheck("#s-verify")
             page.evaluate(OBSERVE)
             page.click("#solve")
             page.wait_for_function("Number(document.getElementById('board').dataset.step) >= 56", timeout=60_000)
@@ -98,6 +100,16 @@ def test_browser_solves_a_puzzle_step_by_step(sudoku_checkpoint, live_server, tm
             page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
             snaps = page.evaluate("window.__snaps")
             status, verdict = page.inner_text("#s-status"), page.inner_text("#s-verdict")
+
+            # the verified solve: model-only and verified figures side by side, never one number
+            hard = generate_puzzles(1, seed=3, difficulty="hard")[0]["puzzle"]
+            page.fill("#puzzle", hard)
+            page.fill("#s-delay_ms", "0")
+            page.check("#s-verify")
+            page.fill("#s-verify_rounds", "2")
+            page.click("#solve")
+            page.wait_for_selector("#board[data-state='done']", timeout=120_000)
+            v_status, v_verdict = page.inner_text("#s-status"), page.inner_text("#s-verdict")
         finally:
             ctx.close()
             shutil.rmtree(profile, ignore_errors=True)
@@ -117,6 +129,9 @@ def test_browser_solves_a_puzzle_step_by_step(sudoku_checkpoint, live_server, tm
     # the canvas ends at the step that commits its last cell: the 81st at the latest, one prefill more
     m = re.match(r"done · steps (\d+) · (\d+) forwards", status)
     assert m and 60 < int(m[1]) <= 81 and int(m[2]) == int(m[1]) + 1 and verdict, status
+    assert re.match(r"done · model alone: \d+ forwards, (valid|not valid) · verified: \d of up to 2 rounds, "
+                    r"\d+ forwards", v_status), v_status
+    assert re.search(r"^(verified|not solved): .* — model alone: ", v_verdict), v_verdict
     for name in ("playground.png", "sudoku_midsolve.png"):
         assert (tmp_path / name).stat().st_size > 5_000
     print(f"\nscreenshots: {tmp_path / 'playground.png'} and {tmp_path / 'sudoku_midsolve.png'}")

@@ -275,6 +275,39 @@ def test_pinned_clues_stay_in_the_models_answer(client):
     assert "contradicts" not in done["verdict"]
 
 
+def test_verified_solve_streams_its_rounds_and_matches_dgemma_solve(client, tiny_run):
+    """verify_rounds runs `dgemma solve`'s verified solve (the same boards, rounds and passes for
+    the same seed and settings), streams every round, and keeps model-only and verified apart."""
+    from dgemma.eval.sudoku_verify import solve_run
+    from dgemma.training.runs import load_run
+
+    puzzle = generate_puzzles(1, seed=3, difficulty="hard")[0]["puzzle"]
+    body = {"puzzle": puzzle, "step_type": "commit", "num_steps": 81, "temperature": 0.0, "early_stopping": "none",
+            "seed": 0, "verify_rounds": 3}
+    with client.stream("POST", "/api/sudoku/solve", json=body) as r:
+        assert r.status_code == 200
+        evs = events(r.iter_lines())
+    kinds = [e for e, _ in evs]
+    assert kinds[0] == "start" and kinds[-1] == "done" and evs[0][1]["verify_rounds"] == 3
+    done = evs[-1][1]
+    [ref] = solve_run(load_run(tiny_run), puzzle, rounds=3, num_steps=81, step_type="commit", seed=0)
+    assert ref.rounds >= 1  # the tiny model breaks a rule: the rounds are exercised
+    v, m = done["verified"], done["model_only"]
+    assert (done["solved"], v["rounds"], v["forward_passes"], v["round_passes"]) == \
+        (ref.valid, ref.rounds, ref.passes, ref.round_passes)
+    assert (m["solution"], m["solved"], m["forward_passes"]) == (ref.model_grid, ref.model_valid, ref.model_passes)
+    assert "".join(d or "0" for d, _ in done["cells"]) == ref.grid
+    rounds = [d for e, d in evs if e == "round"]
+    assert [d["round"] for d in rounds] == list(range(1, ref.rounds + 1)) and v["renoised"] == [d["renoised"] for d in rounds]
+    # every forward pass of every round streamed a step, except each round's prefill
+    assert kinds.count("step") == ref.passes - (ref.rounds + 1)
+    assert done["verdict"].startswith("verified:" if ref.valid else "not solved:")
+    assert m["verdict"] and ("solved" in m["verdict"]) == ref.model_valid
+    for bad in (-1, 33, "x"):
+        r = client.post("/api/sudoku/solve", json={**body, "verify_rounds": bad})
+        assert r.status_code == 400 and "verify_rounds" in r.json()["error"]
+
+
 def test_same_seed_gives_the_same_board(client):
     def board(seed):
         with client.stream("POST", "/api/sudoku/solve", json={"puzzle": PUZZLE, "num_steps": 20, "temperature": 1.0,

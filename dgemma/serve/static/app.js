@@ -172,6 +172,7 @@ async function solve() {
   $("s-verdict").textContent = "";
   $("s-verdict").className = "verdict";
   const body = {puzzle: $("puzzle").value, ...readControls("s")};
+  if ($("s-verify").checked) body.verify_rounds = Number($("s-verify_rounds").value || 0);
   sudokuAbort = new AbortController();
   $("solve").disabled = true;
   $("s-stop").disabled = false;
@@ -206,15 +207,28 @@ function onSudokuEvent(event, d) {
     $("s-status").textContent =
       `step ${d.step}/${d.num_steps} · ${d.forwards} forwards · ${d.settled} cells committed · ` +
       `${fmt(d.tokens_per_forward)} tok/forward · ${fmt(d.elapsed)} s`;
+  } else if (event === "round") {
+    board.dataset.round = d.round;
+    $("s-verdict").textContent = `round ${d.round} of at most ${d.rounds}: re-noising ${d.renoised} cells ` +
+      `(${d.rule}, ${d.num_steps} steps)`;
+    $("s-verdict").className = "verdict";
   } else if (event === "done") {
     drawCells(d.cells);
     board.dataset.state = "done";
     const s = d.stats;
-    $("s-status").textContent =
-      `done · steps ${s.steps_used.join("+")} · ${s.forward_passes} forwards · ` +
-      `${fmt(s.tokens_per_forward)} tok/forward · ${fmt(s.tokens_per_second, 1)} tok/s · ${fmt(s.seconds)} s` +
-      (s.delay_seconds ? ` (+${fmt(s.delay_seconds, 1)} s slow motion)` : "");
-    $("s-verdict").textContent = d.verdict;
+    const slow = s.delay_seconds ? ` (+${fmt(s.delay_seconds, 1)} s slow motion)` : "";
+    if (d.verified) {  // model-only and verified figures, never one number
+      const v = d.verified;
+      $("s-status").textContent = `done · model alone: ${d.model_only.forward_passes} forwards, ` +
+        (d.model_only.solved ? "valid" : "not valid") + ` · verified: ${v.rounds} of up to ${v.max_rounds} rounds, ` +
+        `${v.forward_passes} forwards, ${fmt(v.seconds)} s` + slow;
+      $("s-verdict").textContent = `${d.verdict} — model alone: ${d.model_only.verdict}`;
+    } else {
+      $("s-status").textContent =
+        `done · steps ${s.steps_used.join("+")} · ${s.forward_passes} forwards · ` +
+        `${fmt(s.tokens_per_forward)} tok/forward · ${fmt(s.tokens_per_second, 1)} tok/s · ${fmt(s.seconds)} s` + slow;
+      $("s-verdict").textContent = d.verdict;
+    }
     $("s-verdict").className = "verdict " + (d.solved ? "ok" : "bad");
   } else if (event === "error") {
     showError("s", d.error);
