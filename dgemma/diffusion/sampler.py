@@ -229,8 +229,8 @@ class CanvasSampler:
                 state = state.select(keep)
                 self.stop.select(keep.nonzero().squeeze(1))
                 selfcond = None if selfcond is None else selfcond[keep]
-                if self.use_cache:
-                    ctx_cache = d.cache.select(running)
+                if self.use_cache:  # read-only from here: the prefix and one canvas of scratch
+                    ctx_cache = d.cache.select(running, max_len=min(d.cache.cursor + c, d.cache.max_len))
                 else:
                     ctx_ids, ctx_info = d.prefix_ids[running], d.prefix_info[running]
         return canvas
@@ -253,7 +253,8 @@ class CanvasSampler:
         clean = TokenInfo(d.pos, d.blocks, torch.zeros_like(canvas, dtype=torch.bool),
                           torch.ones_like(canvas, dtype=torch.bool))
         if self.use_cache:
-            d.cache = d.cache.select(keep.nonzero().squeeze(1))
+            if not keep.all():  # no copy when every row goes on
+                d.cache = d.cache.select(keep.nonzero().squeeze(1))
             h = model(canvas, info=clean, cache=d.cache, return_hidden=True)  # append: encoder pass, keys only
             d.before = h[:, -1] if d.before_idx is not None else None
             for r in d.active.tolist():

@@ -106,12 +106,20 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.cursor} slots to {length}")
         self.cursor = length
 
-    def select(self, rows: Tensor) -> "KVCache":
-        """A new cache holding only ``rows`` of the batch (finished examples stop costing compute)."""
-        out = KVCache(int(rows.numel()), self.max_len)
+    def select(self, rows: Tensor, max_len: int | None = None) -> "KVCache":
+        """A new cache holding only ``rows`` of the batch (finished examples stop costing compute).
+
+        ``max_len`` (at least the cursor) caps the copy's slots: a cache that will only be read,
+        plus one canvas of scratch, needs ``cursor + C``, not room for every later canvas, so the
+        copy moves that many slots per layer instead of ``self.max_len``.
+        """
+        n = self.max_len if max_len is None else max_len
+        if not self.cursor <= n <= self.max_len:
+            raise ValueError(f"select: max_len must lie in [{self.cursor}, {self.max_len}], got {n}")
+        out = KVCache(int(rows.numel()), n)
         out.cursor = self.cursor
-        out.keys = {layer: t.index_select(0, rows) for layer, t in self.keys.items()}
-        out.values = {layer: t.index_select(0, rows) for layer, t in self.values.items()}
+        out.keys = {layer: t[:, :, :n].index_select(0, rows) for layer, t in self.keys.items()}
+        out.values = {layer: t[:, :, :n].index_select(0, rows) for layer, t in self.values.items()}
         if self._info is not None:
-            out._info = self._info[rows]
+            out._info = self._info[rows][:, :n]
         return out

@@ -140,6 +140,27 @@ def test_truncate_and_select():
         cache.truncate(99)
 
 
+def test_select_with_a_shorter_capacity_reads_the_same():
+    """A selected cache trimmed to ``cursor + C`` slots (the sampler's in-canvas copy) decodes a
+    noisy canvas exactly as the full-capacity copy does, and refuses a capacity below the cursor."""
+    model = tiny()
+    ids = torch.randint(0, V, (3, 10))
+    noisy = TokenInfo(torch.arange(6, 10).expand(2, 4), torch.ones(2, 4, dtype=torch.long),
+                      torch.ones(2, 4, dtype=torch.bool), torch.ones(2, 4, dtype=torch.bool))
+    with torch.no_grad():
+        cache = KVCache(3, 6 + 3 * 4)
+        model(ids[:, :6], cache=cache)
+        rows = torch.tensor([2, 0])
+        full, short = cache.select(rows), cache.select(rows, max_len=6 + 4)
+        assert short.max_len == 10 and short.cursor == full.cursor == 6
+        a = model(ids[[2, 0], 6:10], info=noisy, cache=full, write=False)
+        b = model(ids[[2, 0], 6:10], info=noisy, cache=short, write=False)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert short.keys[0].shape[2] == 10 and full.keys[0].shape[2] == 18
+    with pytest.raises(ValueError, match="max_len must lie in"):
+        cache.select(rows, max_len=5)
+
+
 @pytest.mark.parametrize("encoder", ["causal", "block"])
 def test_backends_agree_on_diffusion_masks(encoder):
     """eager (the reference), sdpa and flex on the single-shot [prompt | clean | noisy] layout."""
