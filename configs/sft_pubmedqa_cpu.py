@@ -1,9 +1,20 @@
 """PubMedQA on a 2-core CPU: the sft_pubmedqa recipe (LoRA r4 on Gemma 3 270M, LR 1e-4 -> 1e-5,
-batch 2) changed until it trains a working adapter in about 2.3 hours, alone, on this project's
+batch 2) changed until it trains a working adapter in about 70 minutes, alone, on this project's
 2-core CPU.
 
 Deviations from ``configs/sft_pubmedqa.py``, each with its reason (figures measured on the
 2-core AMD EPYC with AVX512-BF16, torch 2.13.0; see ``docs/guides/adapt-gemma-pubmedqa.md``):
+
+- ``data.path="data/pubmedqa_first"``, prepared with ``dgemma prepare pubmedqa --verdict first``:
+  the target is "The answer is: X. " then the long answer, so the one token the metric reads is
+  in the first canvas, written from the question and context alone. With the verdict last
+  (``data/pubmedqa``) the previous adapter's verdict followed 30-60 tokens of its own parallel
+  text, trained on reference explanations that give the verdict away, and did not read the
+  question: all "yes" at step 120, all "no" at step 160 (checkpoints/pubmedqa_270m/README.md).
+- ``data.response_end="eos"``: answers end with EOS, not ``<end_of_turn>``, whose embedding row
+  in Gemma 3 270M is within cosine 0.95 of ~6,200 untrained rows, so with the tied head the
+  previous adapter could not rank it first and wrote "The answer is: yes" then a junk twin
+  ("capturePlayer"). EOS's nearest other row is at cosine 0.61.
 
 - ``model.shift_logits=True``: canvas token ``j`` is predicted from the state at ``j - 1`` (the
   first one from the clean state of the token before the canvas), so the adapter keeps Gemma's
@@ -26,11 +37,12 @@ Deviations from ``configs/sft_pubmedqa.py``, each with its reason (figures measu
   at that noise the loss hovered at 4.5-6.3 nats from step 150 to 600 while every step's gradient
   norm (20-35) was clipped to 1; 8 x all canvases score ~250-350.
 - ``lora.r=16, alpha=32`` (r4, alpha 8 in the seed recipe) and ``optim.lr=6e-4``, warm-up 20,
-  ``train.steps=240``, a checkpoint every 40: at r4 and 2e-4 the masked CE sat at 4.4-5.0 from
+  ``train.steps=120``, a checkpoint every 40: at r4 and 2e-4 the masked CE sat at 4.4-5.0 from
   step 40 to 100 and the sampler answered "The answer is:" and stopped; with the same data and
   noise draws, r16 at 6e-4 was 0.5-0.6 nats lower at every step from 1 to 60 (curve in the
-  model card). 240 steps are 1,920 answers, 4.3 epochs of the 450 training ones, about 2.3 hours
-  alone on two threads.
+  model card). 120 steps are 960 answers, 2.1 epochs of the 450 training ones, about 70 minutes
+  alone on two threads, so that this run and its AR baseline fit one 3-hour working session
+  (the previous 240-step schedule took 99 minutes for 160 steps and was stopped there).
 - ``diffusion.ar_loss_weight=0``: no encoder next-token loss. Its cost is the LM head over every
   scored position: 12.7 s/step with the AR loss over prompt and response, 6.3 s over the
   response alone, 3.9 s without it (2 threads, bf16, seed shape). The diffusion loss still trains
@@ -53,13 +65,14 @@ Deviations from ``configs/sft_pubmedqa.py``, each with its reason (figures measu
   means "end of turn" cannot rank it above them and writes "The answer is: yes" then one of them
   ("capturePlayer", "𒄊"), which the decision regex rightly refuses. At step 80 the adapter gave
   ``<end_of_turn>`` 0.1% at the end of its own training answers. Both models (AR too) are
-  decoded with it; a later recipe should end answers with EOS instead.
+  decoded with it; with answers ending in EOS (above) it changes nothing unless a model writes
+  one of those untrained rows, which then ends the answer instead of trailing it.
 - Every checkpoint is kept (``keep_last=None``, every 20 steps): the held-out curve is measured
   on them afterwards (``dgemma eval --step=S --eval_names=train_eval_sample_ar_steps16``)
   instead of pausing training for it.
 
     dgemma prepare gemma3-270m
-    dgemma prepare pubmedqa --source ../shared/data/pubmedqa --out data/pubmedqa
+    dgemma prepare pubmedqa --source ../shared/data/pubmedqa --out data/pubmedqa_first --verdict first
     dgemma train --cfg=configs/sft_pubmedqa_cpu.py --cfg.workdir=runs/pubmedqa_270m
     dgemma eval --cfg.workdir=runs/pubmedqa_270m
 """
@@ -78,11 +91,11 @@ def get_config() -> Config:
         diffusion=DiffusionConfig(process="absorbing", mask_token_id=4, schedule="linear", t_eps=1e-4,
                                   canvas_size=32, num_canvases=5, selfcond_prob=0.5, ar_loss_weight=0.0,
                                   decode="all", loss_on="noised", loss_chunk_tokens=1024),
-        data=DataConfig(task="pubmedqa", path="data/pubmedqa", prompt_len=1024, trim_prompt_padding=True,
-                        batch_size=8, seed=0),
+        data=DataConfig(task="pubmedqa", path="data/pubmedqa_first", prompt_len=1024, trim_prompt_padding=True,
+                        response_end="eos", batch_size=8, seed=0),
         optim=OptimConfig(name="adamw", lr=6e-4, min_lr_ratio=0.1, warmup_steps=20, betas=(0.95, 0.99),
                           weight_decay=1e-4, clip_norm=1.0),
-        train=TrainConfig(steps=240, grad_accum=1, seed=0, dtype="auto", checkpoint_every=40, keep_last=None,
+        train=TrainConfig(steps=120, grad_accum=1, seed=0, dtype="auto", checkpoint_every=40, keep_last=None,
                           log_every=1, threads=2),
         eval_ds=EvalConfig(batch_size=16, steps=[8, 16, 32], step_type="commit", temperature=0.0,
                            early_stopping="entropy", entropy_threshold=0.05, commit_block=4, stop_alias_cos=0.95,
