@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
+from dgemma.diffusion.corruption import NoiseProcess
 from dgemma.diffusion.schedules import time_grid
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
-from dgemma.diffusion.steps import CanvasState
-from dgemma.diffusion.stopping import NoStop
+from dgemma.diffusion.steps import CanvasState, Step
+from dgemma.diffusion.stopping import NoStop, StoppingRule
 from dgemma.errors import DGemmaError
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
@@ -81,12 +83,12 @@ class SampleResult:
 class CanvasSampler:
     """Block-diffusion sampling with a pluggable ``step`` and stopping rule."""
 
-    noise: object  # UniformNoise | AbsorbingNoise: supplies pure-noise canvases
-    step: object  # a Step from dgemma.diffusion.steps
+    noise: NoiseProcess  # UniformNoise | AbsorbingNoise: supplies pure-noise canvases
+    step: Step  # a rule of dgemma/diffusion/steps.py
     num_steps: int
     canvas_size: int
     max_canvases: int = 1
-    stop: object = field(default_factory=NoStop)
+    stop: StoppingRule = field(default_factory=NoStop)
     stop_ids: tuple[int, ...] = ()  # EOS, end-of-turn
     temperature: float = 0.7  # for the self-conditioning signal and the stopping entropy
     t_max: float = 1.0
@@ -103,7 +105,7 @@ class CanvasSampler:
     # on the last step, `argmax` on an early stop). Streaming front-ends read it; an exception
     # raised in it aborts sampling and propagates (how a server cancels a request). It draws
     # nothing from the generator, so outputs are the same with or without it.
-    on_step: object = None
+    on_step: Callable[..., None] | None = None
 
     @property
     def forbid(self) -> int | None:
