@@ -272,20 +272,31 @@ def _leftmost_blocks(open_: Tensor, n_new: Tensor, block: int) -> Tensor:
 class ConfidenceStep(StepRule):
     """Threshold step (Fast-dLLM, SDAR): commit every uncommitted position whose confidence
     exceeds ``threshold``; if none does, commit the single most confident one; the last step
-    commits everything. Uncommitted positions are redrawn from pure noise, as in CommitStep."""
+    commits everything. Uncommitted positions are redrawn from pure noise, as in CommitStep.
+
+    ``block=B`` (``eval_ds.commit_block``, as for :class:`CommitStep`) is Fast-dLLM's
+    semi-autoregressive form: a step considers only the leftmost sub-block of ``B`` positions
+    that still has an open one. Example, ``C = 8, B = 4``, positions 0-3 committed, confidences
+    0.95 at positions 5 and 6: both commit, and nothing in positions 0-3 or 8-... is looked at.
+    """
 
     commits = True  # committed positions are final: the sampler skips their vocabulary work
 
     @classmethod
     def from_settings(cls, settings, noise) -> "ConfidenceStep":
-        return cls(noise, threshold=settings.confidence_threshold, temperature=settings.temperature)
+        return cls(noise, threshold=settings.confidence_threshold, temperature=settings.temperature,
+                   block=settings.commit_block)
 
-    def __init__(self, noise: NoiseProcess, threshold: float = 0.9, temperature: float = 0.0):
+    def __init__(self, noise: NoiseProcess, threshold: float = 0.9, temperature: float = 0.0,
+                 block: int | None = None):
         if not 0.0 <= threshold <= 1.0:
             raise DGemmaError(f"confidence threshold must lie in [0, 1], got {threshold}")
+        if block is not None and block < 1:
+            raise DGemmaError(f"commit block must be >= 1 positions, got {block}")
         self.noise = noise
         self.threshold = float(threshold)
         self.temperature = _check_temperature(temperature)
+        self.block = block
 
     def __call__(
         self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
@@ -294,6 +305,8 @@ class ConfidenceStep(StepRule):
         open_ = ~state.committed
         if is_last:
             return _renoise(state, self.noise, pred, conf, open_, generator)
+        if self.block:  # the leftmost block holding an open position
+            open_ = open_ & _leftmost_blocks(open_, torch.ones_like(open_[:, 0], dtype=torch.long), self.block)
         above = open_ & (conf > self.threshold)
         best = F.one_hot(conf.masked_fill(~open_, -math.inf).argmax(-1), conf.shape[-1]).bool()
         need = open_.any(-1) & ~above.any(-1)

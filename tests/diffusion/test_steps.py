@@ -223,6 +223,25 @@ def test_confidence_commits_exactly_the_positions_above_threshold():
     assert last.committed.all()
 
 
+def test_confidence_blocks_look_only_at_the_leftmost_open_block():
+    noise = UniformNoise(8, LinearSchedule())
+    conf = torch.tensor([[0.99, 0.2, 0.3, 0.2, 0.3, 0.95, 0.95, 0.99]])
+    state = state_of(torch.full((1, 8), 5))
+    blocked = ConfidenceStep(noise, threshold=0.9, block=4)
+    out = blocked(state, conf_logits(conf), 0.8, 0.6, generator=gen(), is_last=False)
+    assert out.committed.tolist() == [[True] + [False] * 7]  # block 0 only: 7 waits
+    done0 = state_of(torch.full((1, 8), 5), torch.tensor([[True] * 4 + [False] * 4]))
+    out = blocked(done0, conf_logits(conf), 0.8, 0.6, generator=gen(), is_last=False)
+    assert out.committed.tolist() == [[True] * 4 + [False, True, True, True]]  # the module docstring's example
+    weak = torch.tensor([[0.1, 0.2, 0.3, 0.25, 0.3, 0.95, 0.95, 0.99]])
+    out = blocked(state, conf_logits(weak), 0.8, 0.6, generator=gen(), is_last=False)
+    assert out.committed.tolist() == [[False, False, True] + [False] * 5]  # none above: block 0's best
+    plain = ConfidenceStep(noise, threshold=0.9)(state, conf_logits(weak), 0.8, 0.6, generator=gen(), is_last=False)
+    assert plain.committed.tolist() == [[False] * 5 + [True] * 3]
+    with pytest.raises(DGemmaError, match="commit block must be >= 1"):
+        ConfidenceStep(noise, block=0)
+
+
 def test_confidence_commits_at_least_one_per_step_until_done():
     vocab, c = 8, 12
     noise = UniformNoise(vocab, LinearSchedule())
