@@ -7,7 +7,9 @@ Reads what ``dgemma eval`` wrote (``DIR/eval/<eval_name>/step_<S>.json``: the la
 evaluator on the test split) and prints one markdown table: accuracy, macro-F1, per-class
 predictions, BLEU, tokens per forward, tokens/s at the evaluation's batch size and, where a
 ``--batch1`` directory holds the same evaluator run at batch 1, at batch 1; the majority-class
-baseline (55.2%: 276 of 500 test questions are "yes") is the first row. ``--out`` also writes
+baseline (55.2%: 276 of 500 test questions are "yes") is the first row. ``--verdict`` folders hold
+first-canvas evaluations (``--cfg.eval_ds.max_canvases=1``: a verdict-first model's verdict), whose
+rows give accuracy, macro-F1 and predictions only. ``--out`` also writes
 ``results.md``, ``results.json`` and ``curves.png`` (held-out accuracy on the 50 train-eval
 questions against training step, from ``train_eval_*`` evaluations, and the training loss).
 """
@@ -83,6 +85,12 @@ def table(rows: list[dict], batch1: dict[tuple[str, str], float], batch16: dict 
         b = r["settings"].get("batch_size")
         key = (r["model"].split(" ")[0], r["eval_name"])
         tps = batch16.get(key, s["tokens_per_second"])
+        if r.get("verdict_only"):  # the first canvas: the verdict, not the explanation's BLEU or speed
+            lines.append(
+                f"| {r['model']} | {r['eval_name']} | {r['num_examples']} | {fmt(m['accuracy'], True)} | "
+                f"{fmt(m['macro_f1'])} | {m['pred_yes']}/{m['pred_no']}/{m['pred_maybe']} | {m['unparsed']} | "
+                f"- | - | {fmt(s.get('mean_steps_per_canvas'))} | - | - |")
+            continue
         lines.append(
             f"| {r['model']} | {r['eval_name']} | {r['num_examples']} | {fmt(m['accuracy'], True)} | "
             f"{fmt(m['macro_f1'])} | {m['pred_yes']}/{m['pred_no']}/{m['pred_maybe']} | {m['unparsed']} | "
@@ -100,6 +108,8 @@ def main() -> None:
     p.add_argument("--subset", type=Path, nargs="*", default=[],
                    help="folders with evaluations on the first questions only (dgemma eval --out DIR "
                         "--cfg.aux.eval_num_batches=N); their rows say how many")
+    p.add_argument("--verdict", type=Path, nargs="*", default=[],
+                   help="folders with first-canvas evaluations (--cfg.eval_ds.max_canvases=1): accuracy only")
     p.add_argument("--batch16", type=Path, nargs="*", default=[],
                    help="folders whose batch-16 tokens/s replace the accuracy runs' (measured on an idle machine)")
     p.add_argument("--curves", type=Path, nargs="*", default=[],
@@ -109,6 +119,8 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     rows = collect(args.diffusion, "diffusion") + collect(args.ar, "AR")
+    for folder in args.verdict:
+        rows += [{**r, "model": f"{kind(r)} (first canvas)", "verdict_only": True} for r in collect(folder, "")]
     for folder in args.subset:
         rows += [{**r, "model": f"{kind(r)} (subset)"} for r in collect(folder, "")]
     speeds = {}

@@ -776,6 +776,8 @@ def solve_work(engine: Engine, plan: Plan, job: Job, puzzle: str, verify_rounds:
 
 
 def verified_work(engine: Engine, plan: Plan, progress: "SudokuProgress", emit, puzzle: str, rounds: int) -> None:
+    """:func:`~dgemma.eval.sudoku_verify.solve_verified` with the plan's sampler, ``progress`` as
+    its step hook (so every round animates and a cancel stops it), a ``round`` event per round."""
     num_steps = plan.sampler.num_steps
 
     def on_round(k, rows, plans):

@@ -140,3 +140,44 @@ def test_browser_solves_a_puzzle_step_by_step(sudoku_checkpoint, live_server, tm
         out.mkdir(parents=True, exist_ok=True)
         for name in ("playground.png", "sudoku_midsolve.png"):
             shutil.copy(tmp_path / name, out / name)
+
+
+PUBMEDQA = REPO / "checkpoints" / "pubmedqa_270m"
+
+
+@pytest.mark.skipif(not is_run(PUBMEDQA), reason="checkpoints/pubmedqa_270m is not there")
+def test_browser_answers_a_pubmedqa_question_with_the_shipped_adapter(live_server, tmp_path):
+    """The Text panel defaults to a trained model: the shipped PubMedQA adapter (no untrained
+    warning), offers its held-out test questions, and answers one with a verdict."""
+    import json
+
+    examples = [json.loads(x) for x in (PUBMEDQA / "examples.jsonl").read_text().splitlines()]
+    server = live_server(create_app(sudoku=None, text=PUBMEDQA, device="cpu"))
+    profile = tempfile.mkdtemp(prefix="dgemma-chromium-")
+    with sync_api.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=ARGS, headless=True,
+                                                   viewport={"width": 1280, "height": 1000})
+        try:
+            page = ctx.new_page()
+            problems = []
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(server.url + "/")
+            page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+            model_line = page.inner_text("#t-model")
+            assert "training run" in model_line and "warning" not in model_line, model_line
+            assert page.locator("#t-example option").count() == len(examples) + 1
+            page.select_option("#t-example", "0")
+            assert page.input_value("#prompt") == examples[0]["prompt"]
+            assert page.input_value("#system") == examples[0]["system"]
+            page.fill("#t-num_steps", "16")
+            page.fill("#t-max_canvases", "1")  # the verdict comes first: one canvas holds it
+            page.click("#generate")
+            page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
+            text, status = page.inner_text("#canvases"), page.inner_text("#t-status")
+            page.screenshot(path=str(tmp_path / "pubmedqa.png"), full_page=True)
+        finally:
+            ctx.close()
+            shutil.rmtree(profile, ignore_errors=True)
+    assert not problems, problems
+    assert re.search(r"The answer is: (yes|no|maybe)", text), text
+    assert "done" in status, status
