@@ -7,11 +7,11 @@
 #   verdict (verdict-first data) all 500 test questions, first canvas only (--cfg.eval_ds.max_canvases=1;
 #           AR: its first 32 tokens): the verdict is in it, and a block decoder writes canvas 1 the
 #           same whether or not later canvases follow, so these accuracies are the full decoder's
-#           (DIR/verdict500, AR/verdict500); with `curves`, the 50 train-eval questions (DIR/curve50)
+#           (DIR/verdict500, AR/verdict500)
+#   curves50 (verdict-first data) the 50 train-eval questions, first canvas, 32 steps, every kept
+#           checkpoint of both runs (DIR/curve50, AR/curve50)
 #   speed   tokens/s at batch 1, 8 questions, both models (an idle machine: nothing else running)
 #   report  the table and the curves (scripts/pubmedqa_report.py)
-#
-#   curves50 (verdict-first data) the 50 train-eval questions, first canvas, every kept checkpoint of both runs
 #
 #   scripts/pubmedqa_eval.sh curves|curves50|test|verdict|speed|report [DIFFUSION_DIR] [AR_DIR] [OUT]
 set -euo pipefail
@@ -48,7 +48,8 @@ case $part in
       --ar_max_tokens=0 --eval_names=sample_ar_steps32,sample_ar_steps8
     dgemma eval --cfg.workdir="$A" --out="$A/batch1_ar" --cfg.eval_ds.batch_size=1 --cfg.aux.eval_num_batches=8 ;;
   report)
-    python scripts/pubmedqa_report.py --diffusion "$D/subset_diffusion" --ar "$A/subset" --curves "$D/curve16" "$A" \
+    python scripts/pubmedqa_report.py --diffusion "$D/subset_diffusion" --ar "$A/subset" \
+      --verdict "$D/verdict500" "$A/verdict500" --curves "$D/curve50" "$A/curve50" \
       --losses "$D" "$A" --batch1 "$D/batch1_diffusion" "$A/batch1_ar" --out "$OUT" ;;
   *) echo "unknown part $part: curves, curves50, test, verdict, speed or report" >&2; exit 2 ;;
 esac

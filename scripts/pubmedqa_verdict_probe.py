@@ -1,0 +1,48 @@
+"""Diagnostic: P(yes/no/maybe) at the verdict position of a verdict-first PubMedQA diffusion adapter,
+with "The answer is:" pinned and the rest of canvas 1 masked (the decoder's first step), and the AUC
+of P(yes) - P(no) for yes-labelled questions against the rest: does the verdict read the question?
+
+    python scripts/pubmedqa_verdict_probe.py WORKDIR STEP [SPLIT]   # SPLIT: train_eval (default) or test
+"""
+import json, sys, torch
+from dgemma.training.runs import load_run
+from dgemma.tasks import get_task
+from dgemma.eval import harness
+from dgemma.data.sft import encode_prompts
+
+wd, step, split = sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "train_eval"
+run = load_run(wd, step=step, dtype="bfloat16")
+task = get_task("pubmedqa")
+recs = task.load(run.cfg, split)
+tok = run.tokenizer
+prefix = tok.encode("The answer is:")
+cand = {w: tok.encode(" " + w)[0] for w in ("yes", "no", "maybe")}
+sampler, _ = harness.build_sampler(run, task, num_steps=2, step_type="commit", temperature=0.0, early_stopping=None)
+sampler.max_canvases = 1
+probs = []
+class Tap:
+    def __init__(s, inner): s.inner = inner
+    def __getattr__(s, n): return getattr(s.inner, n)
+    def __call__(s, state, logits, t, u, **kw):
+        if t == 1.0:
+            p = torch.softmax(logits[:, len(prefix)].float(), -1)
+            probs.append(torch.stack([p[:, cand[w]] for w in ("yes", "no", "maybe")], -1))
+        return s.inner(state, logits, t, u, **kw)
+sampler.step = Tap(sampler.step)
+C = sampler.canvas_size
+if not run.cfg.diffusion.diffusion_loss_weight:
+    raise SystemExit("a diffusion run is needed (this reads the decoder's first step)")
+for i in range(0, len(recs), 16):
+    b = recs[i:i+16]
+    ids, valid, _ = encode_prompts(tok, b, run.cfg.data.prompt_len)
+    hints = torch.full((len(b), C), -1, dtype=torch.long); hints[:, :len(prefix)] = torch.tensor(prefix)
+    sampler(run.model, ids, valid, generator=torch.Generator().manual_seed(0), hints=hints)
+P = torch.cat(probs)
+labels = [r["label"] for r in recs]
+y = torch.tensor([l == "yes" for l in labels])
+s = P[:, 0] - P[:, 1]
+pos, neg = s[y], s[~y]
+auc = ((pos[:, None] > neg[None, :]).float().mean() + 0.5 * (pos[:, None] == neg[None, :]).float().mean()).item()
+print(json.dumps({"step": step, "split": split, "n": len(recs), "mean_p": {w: round(float(P[:, k].mean()), 3) for k, w in enumerate(("yes", "no", "maybe"))},
+                  "mean_p_yes_given": {l: round(float(P[[x == l for x in labels], 0].mean()), 3) for l in ("yes", "no", "maybe") if l in labels},
+                  "auc_yes_vs_rest": round(auc, 3), "argmax": {w: int((P.argmax(-1) == k).sum()) for k, w in enumerate(("yes", "no", "maybe"))}}))
