@@ -85,17 +85,14 @@ def table(rows: list[dict], batch1: dict[tuple[str, str], float], batch16: dict 
         b = r["settings"].get("batch_size")
         key = (r["model"].split(" ")[0], r["eval_name"])
         tps = batch16.get(key, s["tokens_per_second"])
-        if r.get("verdict_only"):  # the first canvas: the verdict, not the explanation's BLEU or speed
-            lines.append(
-                f"| {r['model']} | {r['eval_name']} | {r['num_examples']} | {fmt(m['accuracy'], True)} | "
-                f"{fmt(m['macro_f1'])} | {m['pred_yes']}/{m['pred_no']}/{m['pred_maybe']} | {m['unparsed']} | "
-                f"- | - | {fmt(s.get('mean_steps_per_canvas'))} | - | - |")
-            continue
+        # a first-canvas row holds the verdict only: no explanation to score, no answer to time
+        only = r.get("verdict_only")
+        bleu, tpf = ("-", "-") if only else (fmt(m["bleu"]), fmt(s["tokens_per_forward"]))
+        speed, speed1 = ("-", "-") if only else (f"{fmt(tps)} (B={b})", fmt(batch1.get(key)))
         lines.append(
             f"| {r['model']} | {r['eval_name']} | {r['num_examples']} | {fmt(m['accuracy'], True)} | "
             f"{fmt(m['macro_f1'])} | {m['pred_yes']}/{m['pred_no']}/{m['pred_maybe']} | {m['unparsed']} | "
-            f"{fmt(m['bleu'])} | {fmt(s['tokens_per_forward'])} | {fmt(s.get('mean_steps_per_canvas'))} | "
-            f"{fmt(tps)} (B={b}) | {fmt(batch1.get(key))} |")
+            f"{bleu} | {tpf} | {fmt(s.get('mean_steps_per_canvas'))} | {speed} | {speed1} |")
     return "\n".join(lines)
 
 

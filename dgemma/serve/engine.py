@@ -691,6 +691,13 @@ class Progress:
                 "mean_steps_per_canvas": round(s["mean_steps_per_canvas"], 3)}
 
 
+def plan_sampler(engine: Engine, plan: Plan, on_step: Callable, generators=None):
+    """The plan's :class:`~dgemma.diffusion.sampler.CanvasSampler` for the engine's model, ``on_step`` its hook."""
+    return build_sampler(replace(plan.sampler, top_p=plan.top_p), noise=engine.noise,
+                         canvas_size=engine.info.canvas_size, stop_ids=engine.stop_ids, generators=generators,
+                         on_step=on_step)
+
+
 def run_sampler(engine: Engine, plan: Plan, on_step: Callable):
     """Sample ``plan.rows`` rows of the plan's prompt. With ``plan.row_seeds`` row ``i`` draws
     from its own generator seeded by ``derive_seed(seed, i)`` (:class:`~dgemma.diffusion.wrappers.RowSeeded`),
@@ -700,9 +707,7 @@ def run_sampler(engine: Engine, plan: Plan, on_step: Callable):
     gens = None
     if plan.row_seeds:
         gens = [torch.Generator(device=dev).manual_seed(derive_seed(plan.seed, i)) for i in range(plan.rows)]
-    sampler = build_sampler(replace(plan.sampler, top_p=plan.top_p), noise=engine.noise,
-                            canvas_size=engine.info.canvas_size, stop_ids=engine.stop_ids, generators=gens,
-                            on_step=on_step)
+    sampler = plan_sampler(engine, plan, on_step, generators=gens)
     ids = torch.tensor([plan.prompt_ids] * plan.rows, dtype=torch.long, device=dev)
     valid = torch.ones_like(ids, dtype=torch.bool)
     if engine.model.config.attn_implementation == "flex" and ids.shape[1] < engine.info.prompt_len:
@@ -786,8 +791,7 @@ def verified_work(engine: Engine, plan: Plan, progress: "SudokuProgress", emit, 
         emit("round", {"round": k, "rounds": rounds, "rule": plans[0].rule, "renoised": renoised,
                        "num_steps": progress.num_steps, "forwards": progress.forwards})
 
-    sampler = build_sampler(replace(plan.sampler, top_p=plan.top_p), noise=engine.noise,
-                            canvas_size=engine.info.canvas_size, stop_ids=engine.stop_ids, on_step=progress)
+    sampler = plan_sampler(engine, plan, progress)
     t0 = time.perf_counter()
     [s] = solve_verified(engine.model, engine.tokenizer, [puzzle], sampler=sampler, rounds=rounds,
                          prompt_len=engine.info.prompt_len, pin_clues=plan.hints is not None, seed=plan.seed,

@@ -10,6 +10,7 @@ browser that ``playwright install`` downloads is not used. Skipped, with the rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -55,6 +56,26 @@ OBSERVE = """() => {
 }"""
 
 
+@contextlib.contextmanager
+def open_page(url: str):
+    """Debian's Chromium, headless, with a fresh user data dir, on the playground at ``url`` once
+    it is ready: yields ``(page, problems)``, the page's uncaught errors collected in ``problems``."""
+    profile = tempfile.mkdtemp(prefix="dgemma-chromium-")
+    with sync_api.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=ARGS, headless=True,
+                                                   viewport={"width": 1280, "height": 1000})
+        try:
+            page = ctx.new_page()
+            problems: list[str] = []
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(url + "/")
+            page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+            yield page, problems
+        finally:
+            ctx.close()
+            shutil.rmtree(profile, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def sudoku_checkpoint(request) -> Path:
     if is_run(SHIPPED):
@@ -65,54 +86,42 @@ def sudoku_checkpoint(request) -> Path:
 def test_browser_solves_a_puzzle_step_by_step(sudoku_checkpoint, live_server, tmp_path):
     server = live_server(create_app(sudoku=sudoku_checkpoint, text=None, device="cpu"))
     puzzle = generate_puzzles(1, seed=11, difficulty="easy")[0]["puzzle"]
-    profile = tempfile.mkdtemp(prefix="dgemma-chromium-")  # a fresh user data dir
-    with sync_api.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=ARGS, headless=True,
-                                                   viewport={"width": 1280, "height": 1000})
-        try:
-            page = ctx.new_page()
-            problems = []
-            page.on("pageerror", lambda e: problems.append(str(e)))
-            page.goto(server.url + "/")
-            page.wait_for_selector("body[data-ready='1']", timeout=30_000)
-            assert "training run" in page.inner_text("#s-model")
+    with open_page(server.url) as (page, problems):
+        assert "training run" in page.inner_text("#s-model")
 
-            # a bad puzzle gets the server's message in the page
-            page.fill("#puzzle", puzzle[:80])
-            page.click("#solve")
-            page.wait_for_selector("#board[data-state='error']", timeout=30_000)
-            assert "puzzle must have 81 cells" in page.inner_text("#s-error")
+        # a bad puzzle gets the server's message in the page
+        page.fill("#puzzle", puzzle[:80])
+        page.click("#solve")
+        page.wait_for_selector("#board[data-state='error']", timeout=30_000)
+        assert "puzzle must have 81 cells" in page.inner_text("#s-error")
 
-            page.fill("#puzzle", puzzle)
-            page.select_option("#s-step_type", "commit")
-            page.fill("#s-num_steps", "81")
-            page.fill("#s-temperature", "0")
-            page.select_option("#s-early_stopping", "none")
-            page.fill("#s-delay_ms", "40")  # slow motion, so every step is painted
-            assert page.is_checked("#s-verify")  # the page verifies by default; first the model alone
-            page.uncheck("#s-verify")
-            page.evaluate(OBSERVE)
-            page.click("#solve")
-            page.wait_for_function("Number(document.getElementById('board').dataset.step) >= 56", timeout=60_000)
-            page.locator("#s-output").screenshot(path=str(tmp_path / "sudoku_midsolve.png"))
-            page.wait_for_selector("#board[data-state='done']", timeout=120_000)
-            assert page.is_hidden("#s-error")
-            page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
-            snaps = page.evaluate("window.__snaps")
-            status, verdict = page.inner_text("#s-status"), page.inner_text("#s-verdict")
+        page.fill("#puzzle", puzzle)
+        page.select_option("#s-step_type", "commit")
+        page.fill("#s-num_steps", "81")
+        page.fill("#s-temperature", "0")
+        page.select_option("#s-early_stopping", "none")
+        page.fill("#s-delay_ms", "40")  # slow motion, so every step is painted
+        assert page.is_checked("#s-verify")  # the page verifies by default; first the model alone
+        page.uncheck("#s-verify")
+        page.evaluate(OBSERVE)
+        page.click("#solve")
+        page.wait_for_function("Number(document.getElementById('board').dataset.step) >= 56", timeout=60_000)
+        page.locator("#s-output").screenshot(path=str(tmp_path / "sudoku_midsolve.png"))
+        page.wait_for_selector("#board[data-state='done']", timeout=120_000)
+        assert page.is_hidden("#s-error")
+        page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
+        snaps = page.evaluate("window.__snaps")
+        status, verdict = page.inner_text("#s-status"), page.inner_text("#s-verdict")
 
-            # the verified solve: model-only and verified figures side by side, never one number
-            hard = generate_puzzles(1, seed=3, difficulty="hard")[0]["puzzle"]
-            page.fill("#puzzle", hard)
-            page.fill("#s-delay_ms", "0")
-            page.check("#s-verify")
-            page.fill("#s-verify_rounds", "2")
-            page.click("#solve")
-            page.wait_for_selector("#board[data-state='done']", timeout=120_000)
-            v_status, v_verdict = page.inner_text("#s-status"), page.inner_text("#s-verdict")
-        finally:
-            ctx.close()
-            shutil.rmtree(profile, ignore_errors=True)
+        # the verified solve: model-only and verified figures side by side, never one number
+        hard = generate_puzzles(1, seed=3, difficulty="hard")[0]["puzzle"]
+        page.fill("#puzzle", hard)
+        page.fill("#s-delay_ms", "0")
+        page.check("#s-verify")
+        page.fill("#s-verify_rounds", "2")
+        page.click("#solve")
+        page.wait_for_selector("#board[data-state='done']", timeout=120_000)
+        v_status, v_verdict = page.inner_text("#s-status"), page.inner_text("#s-verdict")
 
     assert not problems, problems
     clues = [i for i, ch in enumerate(puzzle) if ch != "0"]
@@ -153,31 +162,19 @@ def test_browser_answers_a_pubmedqa_question_with_the_shipped_adapter(live_serve
 
     examples = [json.loads(x) for x in (PUBMEDQA / "examples.jsonl").read_text().splitlines()]
     server = live_server(create_app(sudoku=None, text=PUBMEDQA, device="cpu"))
-    profile = tempfile.mkdtemp(prefix="dgemma-chromium-")
-    with sync_api.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=ARGS, headless=True,
-                                                   viewport={"width": 1280, "height": 1000})
-        try:
-            page = ctx.new_page()
-            problems = []
-            page.on("pageerror", lambda e: problems.append(str(e)))
-            page.goto(server.url + "/")
-            page.wait_for_selector("body[data-ready='1']", timeout=30_000)
-            model_line = page.inner_text("#t-model")
-            assert "training run" in model_line and "warning" not in model_line, model_line
-            assert page.locator("#t-example option").count() == len(examples) + 1
-            page.select_option("#t-example", "0")
-            assert page.input_value("#prompt") == examples[0]["prompt"]
-            assert page.input_value("#system") == examples[0]["system"]
-            page.fill("#t-num_steps", "16")
-            page.fill("#t-max_canvases", "1")  # the verdict comes first: one canvas holds it
-            page.click("#generate")
-            page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
-            text, status = page.inner_text("#canvases"), page.inner_text("#t-status")
-            page.screenshot(path=str(tmp_path / "pubmedqa.png"), full_page=True)
-        finally:
-            ctx.close()
-            shutil.rmtree(profile, ignore_errors=True)
+    with open_page(server.url) as (page, problems):
+        model_line = page.inner_text("#t-model")
+        assert "training run" in model_line and "warning" not in model_line, model_line
+        assert page.locator("#t-example option").count() == len(examples) + 1
+        page.select_option("#t-example", "0")
+        assert page.input_value("#prompt") == examples[0]["prompt"]
+        assert page.input_value("#system") == examples[0]["system"]
+        page.fill("#t-num_steps", "16")
+        page.fill("#t-max_canvases", "1")  # the verdict comes first: one canvas holds it
+        page.click("#generate")
+        page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
+        text, status = page.inner_text("#canvases"), page.inner_text("#t-status")
+        page.screenshot(path=str(tmp_path / "pubmedqa.png"), full_page=True)
     assert not problems, problems
     assert re.search(r"The answer is: (yes|no|maybe)", text), text
     assert "done" in status, status
