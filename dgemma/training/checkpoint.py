@@ -342,6 +342,25 @@ def latest_checkpoint(workdir: str | os.PathLike, *, verify: bool = True) -> Pat
     return None
 
 
+def drop_optimizer_state(path: str | os.PathLike) -> int:
+    """Make the step directory ``path`` an inference-only checkpoint: delete ``optim.pt`` and its
+    entry in ``meta.json`` (rewritten atomically), so it loads for evaluation and export as a
+    complete checkpoint of the weights, while a resume from it fails with a clear error instead
+    of continuing with a fresh optimizer. Returns the bytes freed (0 when there was none)."""
+    path = Path(path)
+    meta_path = path / META_FILE
+    meta = json.loads(meta_path.read_text())
+    info = meta["files"].pop(OPTIM_FILE, None)
+    if info is None:
+        return 0
+    meta["optimizer_state"] = "dropped (an inference-only copy: evaluation and export, not resume)"
+    tmp = path / f".{META_FILE}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(meta_path)
+    (path / OPTIM_FILE).unlink(missing_ok=True)
+    return int(info["bytes"])
+
+
 # ------------------------------------------------------------------------------------- load
 def load_checkpoint(path: str | os.PathLike, *, verify: bool = True, map_location: Any = "cpu") -> dict:
     """``{"step", "model", "optim", "extra", "meta"}`` from a step directory.

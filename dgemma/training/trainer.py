@@ -417,6 +417,9 @@ class Trainer:
 
         state = ckpt.load_checkpoint(path)
         ckpt.check_compatible(state["meta"], self.model.config, source=path)
+        if state["optim"] is None:
+            raise DGemmaError(f"{path} holds no optimizer state ({state['meta'].get('optimizer_state', 'none saved')}): "
+                              f"it can be evaluated and exported, not resumed or rolled back to")
         opts = StateDictOptions(full_state_dict=True, strict=not self.cfg.lora.enabled)
         set_model_state_dict(self.module, {f"model.{k}": v for k, v in state["model"].items()}, options=opts)
         set_optimizer_state_dict(self.module, self.optimizer, state["optim"],

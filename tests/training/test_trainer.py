@@ -320,6 +320,25 @@ def test_resume_refuses_a_checkpoint_of_another_architecture(tmp_path):
     assert (tmp_path / "config.json").read_text() == saved_config
 
 
+def test_an_inference_only_checkpoint_evaluates_but_refuses_to_resume(tmp_path):
+    """``drop_optimizer_state`` (how the shipped AR baseline is stored): the weights load as the
+    latest complete checkpoint, identical to before; a resume says why it cannot go on."""
+    from dgemma.training.checkpoint import drop_optimizer_state, latest_checkpoint, load_checkpoint
+    from dgemma.training.runs import load_run
+
+    Trainer(config(FULL_TINY, tmp_path, "--cfg.train.steps=1", "--cfg.data.batch_size=1")).run()
+    path = latest_checkpoint(tmp_path)
+    before = load_checkpoint(path)["model"]
+    assert drop_optimizer_state(path) > 0 and not (path / "optim.pt").exists()
+    assert drop_optimizer_state(path) == 0  # already dropped
+    assert latest_checkpoint(tmp_path) == path
+    after = load_run(tmp_path).model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    cfg = config(FULL_TINY, tmp_path, "--cfg.train.steps=2", "--cfg.data.batch_size=1")
+    with pytest.raises(DGemmaError, match="holds no optimizer state .*dropped.*not resumed"):
+        Trainer(cfg).run()
+
+
 # -------------------------------------------------------------------------------- PubMedQA
 def byte_tokenizer(folder: Path) -> Path:
     """Byte-level BPE without merges plus Gemma's special tokens: any English, 261 ids."""
