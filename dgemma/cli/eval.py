@@ -42,6 +42,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                                 "speed run beside the batch-16 one)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="inference dtype (auto: bf16 where the CPU or GPU has native bf16 matrix units)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through torch.compile (dgemma/models/compiled.py): about a minute of compiling per "
+                        "kind of call on a CPU, paid in the untimed warm-up; pays only over long evaluations")
     p.add_argument("--ar_max_tokens", type=int, default=None,
                    help="tokens of the AR baseline per prompt (default 64; 0 skips it)")
     lm = p.add_argument_group("--task=lm (a pretrained Lite run)")
@@ -105,6 +108,10 @@ def run(argv: list[str]) -> int:
         print(f"[dgemma] eval: using {args.workdir}/config.json; --cfg={args.cfg} is not read "
               f"(only --cfg.* overrides apply)", file=sys.stderr)
     run_ = load_run(args.workdir, step=args.step, overrides=overrides, dtype=args.dtype)
+    if args.compile:
+        from dgemma.models.compiled import CompiledModel
+
+        run_.model = CompiledModel(run_.model)
     if args.task == "lm" or (args.task is None and run_.cfg.data.task == "corpus"):
         return _run_lm(args, run_)
     task = get_task(args.task or run_.cfg.data.task).configure(run_.cfg)

@@ -157,6 +157,12 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def _compiled(model) -> dict | None:
+    """How a ``CompiledModel`` (``--compile``) compiled so far; None for an eager model."""
+    n = getattr(model, "compiles", None)
+    return None if n is None else {"graphs": n, "compile_s": round(model.compile_s, 1)}
+
+
 def _dtype(model) -> str:
     """The weights' dtype, or ``bfloat16 autocast`` inside an autocast region (training's eval hook)."""
     if torch.is_autocast_enabled(_device(model).type):
@@ -210,6 +216,25 @@ def generate(run, sampler: CanvasSampler, records: list[dict], *, batch_size: in
             if first + j < record_first:
                 out.trajectories[first + j] = traj
     sampler.record = False
+    return out
+
+
+def generate_ar(run, task, records: list[dict], *, batch_size: int, max_new_tokens: int,
+                max_batches: int | None = None) -> Generation:
+    """Greedy AR decoding of every batch through the KV cache, stopping at the task's stop tokens
+    (and their aliases, ``eval_ds.stop_alias_cos``): :func:`generate`'s counterpart for an AR model."""
+    dev = _device(run.model)
+    out = Generation([], [], [], [])
+    for batch in batches(records, batch_size, max_batches):
+        ids, valid, truncated = encode_prompts(run.tokenizer, batch, run.cfg.data.prompt_len, device=dev)
+        res = ar_generate(run.model, ids, valid, max_new_tokens=max_new_tokens, stop_ids=task.stop_ids(run.tokenizer),
+                          stop_alias_cos=run.cfg.eval_ds.stop_alias_cos)
+        out.records += batch
+        out.tokens += res.tokens
+        out.forward_passes += res.forward_passes
+        out.steps_used += [[] for _ in batch]
+        out.seconds += res.seconds
+        out.truncated += truncated
     return out
 
 
@@ -277,7 +302,8 @@ def evaluate(run, task, *, eval_name: str, num_steps: int, step_type: str, tempe
     ar_tps = stats.get("ar_tokens_per_second")
     stats["speedup_vs_ar"] = stats["tokens_per_second"] / ar_tps if ar_tps else None
     settings.update(batch_size=e.batch_size, num_batches=cfg.aux.eval_num_batches, prompt_len=cfg.data.prompt_len,
-                    device=str(_device(run.model)), dtype=_dtype(run.model), threads=torch.get_num_threads())
+                    device=str(_device(run.model)), dtype=_dtype(run.model), threads=torch.get_num_threads(),
+                    compiled=_compiled(run.model))
     result = {"eval_name": eval_name, "task": task.name, "split": split, "source": task.source(cfg, split),
               "checkpoint_step": run.step, "num_examples": len(gen.records), "metrics": metrics, "stats": stats,
               "settings": settings}
@@ -300,24 +326,15 @@ def evaluate_ar(run, task, *, eval_name: str, split: str | None = None, records:
     records = task.load(cfg, split, limit=eval_limit(cfg)) if records is None else records
     max_new = max_new_tokens or cfg.diffusion.canvas_size * max_canvases(cfg)
     dev = _device(run.model)
-    gen = Generation([], [], [], [])
-    for batch in batches(records, e.batch_size, cfg.aux.eval_num_batches):
-        ids, valid, truncated = encode_prompts(run.tokenizer, batch, cfg.data.prompt_len, device=dev)
-        res = ar_generate(run.model, ids, valid, max_new_tokens=max_new, stop_ids=task.stop_ids(run.tokenizer),
-                          stop_alias_cos=cfg.eval_ds.stop_alias_cos)
-        gen.records += batch
-        gen.tokens += res.tokens
-        gen.forward_passes += res.forward_passes
-        gen.steps_used += [[] for _ in batch]
-        gen.seconds += res.seconds
-        gen.truncated += truncated
+    gen = generate_ar(run, task, records, batch_size=e.batch_size, max_batches=cfg.aux.eval_num_batches,
+                      max_new_tokens=max_new)
     texts = [run.tokenizer.decode(t) for t in gen.tokens]
     metrics = task.score(texts, gen.records)
     stats = gen.stats(0)
     settings = {"decoder": "ar_greedy", "max_new_tokens": max_new, "stop_ids": list(task.stop_ids(run.tokenizer)),
                 "batch_size": e.batch_size, "num_batches": cfg.aux.eval_num_batches, "prompt_len": cfg.data.prompt_len,
                 "device": str(dev), "dtype": _dtype(run.model), "threads": torch.get_num_threads(),
-                "stop_alias_cos": cfg.eval_ds.stop_alias_cos}
+                "stop_alias_cos": cfg.eval_ds.stop_alias_cos, "compiled": _compiled(run.model)}
     result = {"eval_name": eval_name, "task": task.name, "split": split, "source": task.source(cfg, split),
               "checkpoint_step": run.step, "num_examples": len(gen.records), "metrics": metrics, "stats": stats,
               "settings": settings}

@@ -76,11 +76,18 @@ class Rotary(nn.Module):
         return self._table
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``positions [B, L]`` -> ``cos, sin [B, 1, L, head_dim]`` in ``dtype``."""
-        top = int(positions.max()) + 1
-        if top > self.max_positions:
-            raise ValueError(f"position {top - 1} exceeds max_position_embeddings {self.max_positions}")
-        cos, sin = self.table(positions.device, top)
+        """``positions [B, L]`` -> ``cos, sin [B, 1, L, head_dim]`` in ``dtype``.
+
+        Inside a compiled graph the table is the one already built (a host sync to size it would
+        break the graph): ``dgemma/models/compiled.py:CompiledForward`` grows it before each call.
+        """
+        if torch.compiler.is_compiling():
+            cos, sin = self._table
+        else:
+            top = int(positions.max()) + 1
+            if top > self.max_positions:
+                raise ValueError(f"position {top - 1} exceeds max_position_embeddings {self.max_positions}")
+            cos, sin = self.table(positions.device, top)
         return cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype)
 
 

@@ -327,7 +327,7 @@ class DiffusionGemma(nn.Module):
                 info.positions = info.positions + last[:, None] + 1
         if write is None:
             write = not bool(info.noisy.any())
-        if write and bool(info.noisy.any()):
+        if write and not torch.compiler.is_compiling() and bool(info.noisy.any()):  # compiled.py checks it eagerly
             raise ValueError("noisy (decoder) tokens are never written to the KV cache")
         k_info = cache.key_info(info) if cache is not None else info
         attend = get_attention(cfg.attn_implementation)
