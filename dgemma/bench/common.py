@@ -273,6 +273,9 @@ class Context:
     repeats: int | None = None  # overrides each row's default number of timed repeats
     do_profile: bool = True
     sudoku_workdir: str | None = None
+    pubmedqa_workdir: str | None = None
+    dtype: str = "auto"  # the decode suite's weights: auto | float32 | bfloat16 (dgemma/device.py:resolve_dtype)
+    compile: bool = False  # decode --only step_cost: also time the forwards through torch.compile
     allow_convert: bool = True  # build the 270M cache from the GGUF package when it is missing
     verbose: bool = True
     cache: dict = field(default_factory=dict)  # models shared between suites of one process

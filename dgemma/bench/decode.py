@@ -13,6 +13,16 @@ Two models:
    the same comparison with ``accuracy`` / ``cell_accuracy`` next to the speed, on generated
    unique puzzles, with the run's own sampler settings (``dgemma.eval.harness.build_sampler``).
    Skipped with a note when the run does not exist.
+3. **The adapted PubMedQA pair** (``--pubmedqa-workdir``, default ``checkpoints/pubmedqa_270m``): the
+   diffusion adapter with its own sampler settings (at its evaluated step counts) against the AR
+   fine-tune of the same weights in its ``ar/`` (greedy, our cache), on the held-out test questions
+   shipped beside it (``examples.jsonl``), at batch 1 and one batch of all of them; accuracy,
+   macro-F1, BLEU and unparsed answers next to tokens/s. Each row is one pass over its questions
+   after an untimed warm-up; ``vs_ar`` compares it with the AR row of the same batch.
+
+The models run in ``ctx.dtype`` (``--dtype``, default ``auto``: bf16 where the CPU has native bf16
+matrix units or on a GPU; a trained run's ``auto`` is its own training precision, see
+``dgemma/training/runs.py:load_run``).
 
 Ratios: ``vs_ar`` = tokens/s of the row / tokens/s of our AR decoding at the same batch size;
 ``vs_hf`` = the same against transformers' ``generate``; ``cache_speedup`` = tokens/s with the
@@ -33,12 +43,13 @@ from dgemma.bench import fixtures
 from dgemma.bench.common import (Budget, Context, add_ratio, finish, format_table, measure, new_result,
                                  profile_call, ratio, share_of, synchronize)
 from dgemma.data.sft import encode_prompts
+from dgemma.device import resolve_dtype
 from dgemma.diffusion.corruption import UniformNoise
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
 from dgemma.eval import harness  # the run's own sampler, as dgemma eval builds it
-from dgemma.sampling import SamplerConfig, build_sampler
+from dgemma.sampling import SamplerConfig, build_sampler, max_canvases
 from dgemma.tasks import get_task
 from dgemma.tasks.sudoku import generate_eval_puzzles
 
@@ -50,15 +61,19 @@ STEP_TEMPERATURE = {s: STEPS[s].default_temperature for s in STEP_TYPES}  # each
 SIZES = {
     "quick": dict(prompt_len=12, canvas=8, batches=(1, 4), grid_steps=(2, 4), big_batch_steps=(2,),
                   nocache_steps=(2,), nocache_prompt_len=24, repeats=2, row_cap_s=5.0, refresh_s=1e9, refresh_max_s=1.0, local_s=60.0,
-                  sudoku_puzzles=4, sudoku_batch=2, sudoku_steps=(2, 4), sudoku_b1=2),
+                  sudoku_puzzles=4, sudoku_batch=2, sudoku_steps=(2, 4), sudoku_b1=2,
+                  pubmedqa_questions=2, pubmedqa_b1=1, pubmedqa_steps=(2,), pubmedqa_canvases=1),
     "cpu": dict(prompt_len=32, canvas=16, batches=(1, 16), grid_steps=(8, 16, 32, 64), big_batch_steps=(8,),
                 nocache_steps=(8,), nocache_prompt_len=128, repeats=3, row_cap_s=12.0, refresh_s=30.0, refresh_max_s=4.0, local_s=45.0,
-                sudoku_puzzles=32, sudoku_batch=16, sudoku_steps=(8, 16, 32, 64), sudoku_b1=3),
+                sudoku_puzzles=32, sudoku_batch=16, sudoku_steps=(8, 16, 32, 64), sudoku_b1=3,
+                pubmedqa_questions=16, pubmedqa_b1=4, pubmedqa_steps=(32, 8), pubmedqa_canvases=None),
     "gpu": dict(prompt_len=128, canvas=64, batches=(1, 16), grid_steps=(8, 16, 32, 64),
                 big_batch_steps=(8, 16, 32, 64), nocache_steps=(8, 32), nocache_prompt_len=512, repeats=5, row_cap_s=10.0, refresh_s=20.0,
-                refresh_max_s=4.0, local_s=30.0, sudoku_puzzles=256, sudoku_batch=16, sudoku_steps=(8, 16, 32, 64), sudoku_b1=16),
+                refresh_max_s=4.0, local_s=30.0, sudoku_puzzles=256, sudoku_batch=16, sudoku_steps=(8, 16, 32, 64), sudoku_b1=16,
+                pubmedqa_questions=16, pubmedqa_b1=16, pubmedqa_steps=(32, 16, 8),
+                pubmedqa_canvases=None),
 }
-BUDGET_S = {"quick": None, "cpu": 400.0, "gpu": 150.0}
+BUDGET_S = {"quick": None, "cpu": 700.0, "gpu": 200.0}
 
 COLUMNS = [("name", "row"), ("batch", "B"), ("steps", "steps"), ("early_stop", "ES"), ("repeats", "n"),
            ("tokens", "tok"), ("forward_passes", "fwd"), ("tokens_per_forward", "tok/fwd"),
@@ -116,7 +131,7 @@ class LMDecode:
             self.hf = fixtures.hf_twin(ctx, self.model, source, key="tiny")
             self.label = "tiny"
         else:
-            dtype = torch.bfloat16 if ctx.profile == "gpu" else torch.float32
+            dtype = resolve_dtype(ctx.dtype, dev)
             self.model, self.tok, source = fixtures.load_270m(ctx, dtype=dtype)
             self.hf = fixtures.hf_twin(ctx, self.model, source, dtype=dtype)
             self.label = "gemma3-270m"
@@ -454,7 +469,7 @@ def _bench_sudoku(ctx: Context, result: dict, budget: Budget, sz: dict, run=None
 
     # baselines: AR through our cache, transformers generate (its cache), on the first batch / puzzle
     try:
-        hf = fixtures.hf_twin(ctx, model, "sudoku", key="sudoku")
+        hf = fixtures.hf_twin(ctx, model, "sudoku", key="sudoku", dtype=next(model.parameters()).dtype)
     except Exception as e:  # noqa: BLE001 - e.g. a LoRA run that cannot be exported as plain Gemma 3
         hf = None
         result["notes"].append(f"Sudoku: no transformers twin ({type(e).__name__}: {e}); generate baseline skipped")
@@ -552,8 +567,96 @@ def _bench_sudoku(ctx: Context, result: dict, budget: Budget, sz: dict, run=None
     return rows
 
 
+# ------------------------------------------------------------------------------------ PubMedQA
+PUBMEDQA_COLUMNS = [("name", "row"), ("batch", "B"), ("steps", "steps"), ("n_questions", "q"), ("tokens", "tok"),
+                    ("forward_passes", "fwd"), ("tokens_per_forward", "tok/fwd"), ("seconds", "s"),
+                    ("tokens_per_s", "tok/s"), ("vs_ar", "x AR"), ("accuracy", "acc"), ("macro_f1", "macro-F1"),
+                    ("bleu", "BLEU"), ("unparsed", "unparsed")]
+
+
+def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=None) -> list[dict]:
+    """The shipped PubMedQA adapter against its AR fine-tune: tokens/s with the quality beside it.
+    ``runs``: ``(diffusion_run, ar_run, questions)`` instead of ``fixtures.pubmedqa_runs``."""
+    why = None
+    if runs is None:
+        runs, why = fixtures.pubmedqa_runs(ctx)
+    if runs is None:
+        result["notes"].append(f"PubMedQA part skipped: {why}")
+        result["settings"]["pubmedqa"] = {"skipped": why}
+        return []
+    diff, ar, questions = runs
+    task = get_task("pubmedqa").configure(diff.cfg)
+    e = diff.cfg.eval_ds
+    questions = questions[:sz["pubmedqa_questions"]]
+    batches = ((1, questions[:sz["pubmedqa_b1"]]), (len(questions), questions))
+    canvases = sz["pubmedqa_canvases"]  # None: the runs' own (--quick: one canvas)
+    ar_tokens = ar.cfg.diffusion.canvas_size * (canvases or max_canvases(ar.cfg))
+    result["settings"]["pubmedqa"] = {
+        "workdir": str(diff.path.parent.parent), "checkpoint_step": diff.step, "ar_checkpoint_step": ar.step,
+        "questions": len(questions), "batch1_questions": len(batches[0][1]),
+        "question_source": "examples.jsonl beside the adapter (the first test questions)",
+        "dtype": str(next(diff.model.parameters()).dtype), "steps": list(sz["pubmedqa_steps"]),
+        "sampler": f"the run's own ({e.step_type}, blocks of {e.commit_block}, temperature {e.temperature}, "
+                   f"no early stop: the shipped evaluations' setting)",
+        "ar": f"greedy, our cache, at most {ar_tokens} tokens, the task's stop tokens",
+    }
+    rows: list[dict] = []
+    ar_rows: dict[int, dict] = {}
+
+    def add(name: str, kind: str, run, gen, batch: int, steps: int | None) -> None:
+        st = gen.stats(steps or 0)
+        metrics = task.score([run.tokenizer.decode(t) for t in gen.tokens], gen.records)
+        row = {"name": name, "model": "pubmedqa", "kind": kind, "batch": batch, "steps": steps,
+               "n_questions": len(gen.records), "tokens": st["tokens"], "forward_passes": st["forward_passes"],
+               "tokens_per_forward": st["tokens_per_forward"], "seconds": st["seconds"],
+               "tokens_per_s": st["tokens_per_second"], "mean_steps_per_canvas": st["mean_steps_per_canvas"],
+               **{k: metrics[k] for k in ("accuracy", "macro_f1", "bleu", "unparsed")}}
+        if kind == "ar":
+            ar_rows[batch] = row
+        else:
+            row["vs_ar"] = ratio(row["tokens_per_s"], ar_rows.get(batch, {}).get("tokens_per_s"))
+        rows.append(row)
+
+    def ar_row(b: int, recs: list[dict]) -> None:
+        harness.generate_ar(ar, task, recs, batch_size=b, max_new_tokens=4)  # warm-up
+        ctx.say(f"decode pubmedqa: ar b{b}")
+        add(f"pubmedqa ar b{b}", "ar", ar, harness.generate_ar(ar, task, recs, batch_size=b, max_new_tokens=ar_tokens),
+            b, None)
+
+    def diffusion_row(b: int, recs: list[dict], steps: int) -> None:
+        base = ar_rows.get(b)  # a diffusion pass over the same questions costs about 4 AR passes at 32 steps
+        est = 4.0 * base["seconds"] * steps / 32 if base else 0.0
+        if not budget.allows(est):
+            result["skipped"].append(f"pubmedqa diffusion S={steps} b{b} (time budget: needs ~{est:.0f} s, "
+                                     f"{max(budget.left(), 0):.0f} s left)")
+            return
+        sampler, _ = harness.build_sampler(diff, task, num_steps=steps, step_type=e.step_type,
+                                           temperature=e.temperature, early_stopping=None)
+        warm, _ = harness.build_sampler(diff, task, num_steps=2, step_type=e.step_type, temperature=e.temperature,
+                                        early_stopping=None)
+        if canvases:
+            sampler.max_canvases = warm.max_canvases = canvases
+        harness.generate(diff, warm, recs[:b], batch_size=b, seed=e.seed)
+        ctx.say(f"decode pubmedqa: diffusion S={steps} b{b}")
+        add(f"pubmedqa diffusion S={steps} b{b}", "diffusion", diff,
+            harness.generate(diff, sampler, recs, batch_size=b, seed=e.seed), b, steps)
+
+    for i, steps in enumerate(sz["pubmedqa_steps"]):  # the headline first: batch 1 at the most steps
+        for b, recs in batches:
+            if i == 0:
+                ar_row(b, recs)
+            diffusion_row(b, recs, steps)
+    for b in sorted(ar_rows):
+        for r in rows:
+            if r["kind"] == "diffusion" and r["batch"] == b and r.get("vs_ar") is not None:
+                add_ratio(result, f"pubmedqa diffusion S={r['steps']} vs AR fine-tune b{b} (acc {r['accuracy']:.3f} "
+                                  f"vs {ar_rows[b]['accuracy']:.3f}, BLEU {r['bleu']:.2f} vs {ar_rows[b]['bleu']:.2f})",
+                          r["vs_ar"], baseline="the AR fine-tune, greedy (ours)", what="tokens/s; quality in the name")
+    return rows
+
+
 # ------------------------------------------------------------------------------------ suite
-def run(ctx: Context, *, sudoku_run=None) -> dict:
+def run(ctx: Context, *, sudoku_run=None, pubmedqa_runs=None) -> dict:
     started = time.perf_counter()
     sz = SIZES[ctx.profile]
     budget = Budget(ctx.budget_s if ctx.budget_s is not None else BUDGET_S[ctx.profile])
@@ -566,6 +669,7 @@ def run(ctx: Context, *, sudoku_run=None) -> dict:
         lm.profile_diffusion()
         lm.profile_ar_vs_hf()
         sudoku_rows = _bench_sudoku(ctx, result, budget, sz, run=sudoku_run)  # cheap, and carries accuracy
+        pubmedqa_rows = _bench_pubmedqa(ctx, result, budget, sz, runs=pubmedqa_runs)
         lm.big_batch()
         lm.profile_ar_vs_hf()
         lm.step_sweep()
@@ -573,7 +677,7 @@ def run(ctx: Context, *, sudoku_run=None) -> dict:
         lm.refresh(force=True)  # one more baseline timing after the grid
         lm.rest()
         lm.ratios()
-    result["rows"] = lm.rows + sudoku_rows
+    result["rows"] = lm.rows + sudoku_rows + pubmedqa_rows
     kind_order = {"ar": 0, "hf_generate": 1, "diffusion": 2, "diffusion_nocache": 3}
     lm_sorted = sorted(lm.rows, key=lambda r: (r["batch"], kind_order[r["kind"]], STEP_TYPES.index(r["step"])
                                                if r.get("step") else -1, bool(r.get("early_stop")), r.get("steps") or 0))
@@ -583,6 +687,9 @@ def run(ctx: Context, *, sudoku_run=None) -> dict:
     if sudoku_rows:
         result["tables"].append(format_table(sudoku_rows, SUDOKU_COLUMNS,
                                              title="== decode: trained Sudoku model (accuracy next to speed)"))
+    if pubmedqa_rows:
+        result["tables"].append(format_table(pubmedqa_rows, PUBMEDQA_COLUMNS, title="== decode: adapted PubMedQA "
+                                             "model vs its AR fine-tune (quality next to speed)"))
     for name, prof in result["profiles"].items():
         top = ", ".join(f"{o['name']} {o['share']:.0%}" for o in prof["top_ops"][:6])
         result["notes"].append(f"profile {name}: {prof.get('row', '')}: top ops {top}; ops over the vocabulary "

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from dgemma.models.weights import save_hf
 from dgemma.training.runs import load_run
 
 DEFAULT_SUDOKU_WORKDIR = "checkpoints/sudoku_small"
+DEFAULT_PUBMEDQA_WORKDIR = "checkpoints/pubmedqa_270m"  # the diffusion adapter; its AR twin in ar/
 
 # A fixed English passage: prompts are windows of its tokens, so every row of a batch has the same
 # length (no padding, the same work on both sides of every comparison) and the text is real.
@@ -155,8 +157,33 @@ def sudoku_run(ctx: Context):
                      f"(a workdir trained with configs/sudoku_small.py) to add accuracy next to speed")
     else:
         try:
-            out = (load_run(workdir, device=ctx.device), None)
+            out = (load_run(workdir, device=ctx.device, dtype=ctx.dtype), None)
         except DGemmaError as e:
             out = (None, f"cannot open the Sudoku run at {workdir}: {e}")
     ctx.cache["sudoku"] = out
+    return out
+
+
+def pubmedqa_runs(ctx: Context):
+    """``((diffusion_run, ar_run, questions), None)`` for the shipped PubMedQA adapter at
+    ``ctx.pubmedqa_workdir`` (default ``checkpoints/pubmedqa_270m``) and the AR fine-tune in its
+    ``ar/``, with the held-out test questions shipped beside it (``examples.jsonl``); or
+    ``(None, why)``: the decode suite then skips its rows with that note."""
+    workdir = Path(ctx.pubmedqa_workdir or DEFAULT_PUBMEDQA_WORKDIR)
+    if "pubmedqa" in ctx.cache:
+        return ctx.cache["pubmedqa"]
+    missing = [str(p) for p in (workdir / "config.json", workdir / "ar" / "config.json", workdir / "examples.jsonl")
+               if not p.is_file()]
+    if missing:
+        out = (None, f"no adapted PubMedQA pair at {workdir} (missing {', '.join(missing)}); pass "
+                     f"--pubmedqa-workdir DIR (a diffusion run with its AR fine-tune in DIR/ar and test "
+                     f"questions in DIR/examples.jsonl)")
+    else:
+        try:
+            questions = [json.loads(line) for line in (workdir / "examples.jsonl").read_text().splitlines() if line]
+            out = ((load_run(workdir, device=ctx.device, dtype=ctx.dtype),
+                    load_run(workdir / "ar", device=ctx.device, dtype=ctx.dtype), questions), None)
+        except (DGemmaError, json.JSONDecodeError) as e:
+            out = (None, f"cannot open the PubMedQA runs at {workdir}: {e}")
+    ctx.cache["pubmedqa"] = out
     return out

@@ -11,6 +11,12 @@ interleaved (a, b, a, b, ...), so load drift hits both alike.
 
 For bf16 rows, ``argmax_agree_fp32`` is the fraction of the ``C`` positions whose greedy token
 is the same as in fp32 (same weights, same inputs): what bf16 costs in decisions.
+
+With ``--compile`` the same forwards also run through ``dgemma/models/compiled.py:CompiledModel``
+(impl ``dgemma-compiled``; ``vs_ar_step`` over its own compiled AR step): ``compile_s`` on its
+``C = 1`` and first ``C > 1`` rows is what compiling the AR step and the denoising step cost
+(dynamic shapes: the other canvas sizes reuse the graph), ``argmax_agree_eager`` how often it picks
+the eager forward's greedy token.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ import torch
 
 from dgemma.bench import fixtures
 from dgemma.bench.common import Context, add_ratio, finish, format_table, measure_interleaved, new_result
+from dgemma.models.compiled import CompiledModel
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 
 CANVASES = (1, 16, 32, 64, 128, 256)
 PROMPT = 64
 COLUMNS = [("impl", "impl"), ("dtype", "dtype"), ("canvas", "C"), ("repeats", "n"), ("median_s", "s"),
-           ("vs_ar_step", "x AR step"), ("vs_transformers", "x transformers"), ("argmax_agree_fp32", "argmax = fp32")]
+           ("vs_ar_step", "x AR step"), ("vs_transformers", "x transformers"), ("argmax_agree_fp32", "argmax = fp32"),
+           ("compile_s", "compile s"), ("argmax_agree_eager", "argmax = eager")]
 
 
 def _dgemma_forward(model, prompt_ids: torch.Tensor, c: int):
@@ -90,13 +98,18 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
             prompt = prompt.to(ctx.device)
             name = str(dtype).removeprefix("torch.")
             timed = {}
+            compiled = CompiledModel(model) if ctx.compile and dtype in dtypes else None
             for c in canvases:
                 ours, tokens = _dgemma_forward(model, prompt, c)
                 fns = {"dgemma": ours}
+                if compiled is not None:
+                    fns["dgemma-compiled"] = _dgemma_forward(compiled, prompt, c)[0]
                 if hf is not None:
                     fns["transformers"] = _hf_forward(hf, prompt, tokens)
+                spent = compiled.compile_s if compiled is not None else 0.0
                 for fn in fns.values():
-                    fn()  # warm-up
+                    fn()  # warm-up (compiles a new kind of call)
+                compile_s = compiled.compile_s - spent if compiled is not None else 0.0
                 ms = measure_interleaved(fns, repeats=reps, max_seconds=None if ctx.quick else 20.0, device=ctx.device)
                 argmax = ours().argmax(-1).cpu()
                 if dtype == torch.float32:
@@ -107,6 +120,10 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
                            "repeats": m.repeats, "source": source}
                     if impl == "dgemma" and dtype != torch.float32 and c in reference:
                         row["argmax_agree_fp32"] = float((argmax == reference[c]).float().mean())
+                    if impl == "dgemma-compiled":
+                        row["argmax_agree_eager"] = float((m.result.argmax(-1).cpu() == argmax).float().mean())
+                        if compile_s > 0.5:  # this row's warm-up compiled a graph
+                            row["compile_s"] = compile_s
                     rows.append(row)
             if dtype not in dtypes:  # fp32 was run only as the agreement reference
                 rows = [r for r in rows if r["dtype"] != name]
@@ -114,13 +131,13 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
             for r in rows:
                 if r["dtype"] == name:
                     r["vs_ar_step"] = r["median_s"] / timed[(r["impl"], 1)]
-                    if r["impl"] == "dgemma" and ("transformers", r["canvas"]) in timed:
+                    if r["impl"].startswith("dgemma") and ("transformers", r["canvas"]) in timed:
                         r["vs_transformers"] = r["median_s"] / timed[("transformers", r["canvas"])]
     result["rows"] = rows
     result["tables"].append(format_table(rows, COLUMNS, title=f"== decode --only step_cost: one forward of C new "
                                                               f"tokens after a {PROMPT}-token prompt, batch 1"))
     for r in rows:
-        if r["impl"] == "dgemma" and r.get("vs_transformers") is not None:
-            add_ratio(result, f"step_cost {r['dtype']} C={r['canvas']}: dgemma time / transformers time",
+        if r["impl"].startswith("dgemma") and r.get("vs_transformers") is not None:
+            add_ratio(result, f"step_cost {r['dtype']} C={r['canvas']}: {r['impl']} time / transformers time",
                       r["vs_transformers"], baseline="transformers' forward", higher_is_better=False)
     return finish(result, ctx, started)

@@ -1,5 +1,5 @@
-"""``dgemma bench SUITE [--out results/] [--quick] [--sudoku-workdir DIR] [--budget S] [--repeats N]
-[--no-profile]``
+"""``dgemma bench SUITE [--out results/] [--quick] [--sudoku-workdir DIR] [--pubmedqa-workdir DIR]
+[--dtype auto|float32|bfloat16] [--budget S] [--repeats N] [--no-profile] [--only step_cost [--compile]]``
 
 SUITE is ``decode``, ``loss``, ``attention``, ``train``, ``gpu`` or ``all`` (every suite in that
 order; ``gpu`` notes and skips itself without a CUDA device). Each suite prints its table and its
@@ -44,12 +44,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny random model, seconds: checks the plumbing only")
     p.add_argument("--sudoku-workdir", default=None,
                    help="trained Sudoku run for the decode suite (default: checkpoints/sudoku_small)")
+    p.add_argument("--pubmedqa-workdir", default=None,
+                   help="adapted PubMedQA run (its AR fine-tune in DIR/ar) for the decode suite "
+                        "(default: checkpoints/pubmedqa_270m)")
     p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")
     p.add_argument("--only", choices=["step_cost"], help="decode: only the per-forward cost rows (step_cost)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="decode --only step_cost: the dtype (auto: bf16 where the CPU/GPU has native bf16 units)")
+                   help="decode: the models' dtype (auto: bf16 where the CPU/GPU has native bf16 units; "
+                        "a trained run's auto is its training precision)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode --only step_cost: also time the forwards compiled (dgemma/models/compiled.py; "
+                        "about a minute of compiling per kind of call on a CPU)")
     p.add_argument("--device", default=None, help="torch device (default: cpu; the gpu suite uses cuda)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's, = cores)")
     args = p.parse_args(argv)
@@ -86,13 +93,16 @@ def run(argv: list[str]) -> int:
     modules = {"decode": decode, "loss": loss, "attention": attention, "train": train, "gpu": gpu}
     ctx = Context(out=Path(args.out), quick=args.quick, profile="quick" if args.quick else "cpu",
                   device=args.device or "cpu", budget_s=args.budget, repeats=args.repeats,
-                  do_profile=not args.no_profile, sudoku_workdir=args.sudoku_workdir)
+                  do_profile=not args.no_profile, sudoku_workdir=args.sudoku_workdir,
+                  pubmedqa_workdir=args.pubmedqa_workdir, dtype=args.dtype, compile=args.compile)
     if ctx.device.startswith("cuda") and not args.quick and args.suite != "gpu":
         ctx.profile = "gpu"
     torch.manual_seed(0)
     if args.only:
         if args.suite != "decode":
             raise DGemmaError(f"--only {args.only} belongs to the decode suite, not {args.suite}")
+    elif args.compile:
+        raise DGemmaError("--compile applies to decode --only step_cost")
         from dgemma.bench import step_cost
         from dgemma.device import resolve_dtype
 

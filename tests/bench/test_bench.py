@@ -27,7 +27,7 @@ def quick_all(tmp_path_factory):
     CLI's OpenMP setting applies before torch loads): (out dir, printed text)."""
     out = tmp_path_factory.mktemp("bench")
     r = subprocess.run([sys.executable, "-m", "dgemma", "bench", "all", "--quick", "--out", str(out),
-                        "--sudoku-workdir", str(out / "no-such-run")],
+                        "--sudoku-workdir", str(out / "no-such-run"), "--pubmedqa-workdir", str(out / "no-such-run")],
                        capture_output=True, text=True, timeout=900, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r.stdout
@@ -162,6 +162,66 @@ def test_decode_with_a_sudoku_run_puts_accuracy_next_to_speed(tmp_path, one_thre
     assert {row["kind"] for row in rows} >= {"ar", "hf_generate"}
     assert any(name.startswith("sudoku most accurate") for name in (x["name"] for x in r["ratios"]))
     assert any("accuracy next to speed" in t for t in r["tables"])
+
+
+PUBMEDQA = REPO / "checkpoints" / "pubmedqa_270m"
+
+
+@pytest.mark.skipif(not (PUBMEDQA / "ar" / "config.json").is_file(), reason="no shipped PubMedQA pair")
+def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread):
+    """The shipped adapter and its AR fine-tune on two shipped test questions (``--quick``: one
+    canvas, 2 steps): each row's accuracy is the task's score of what that decoder wrote, and the
+    ratio compares it with the AR row of its batch."""
+    from dgemma.bench import decode, fixtures
+    from dgemma.tasks import get_task
+
+    ctx = common.Context(out=tmp_path, quick=True, profile="quick", verbose=False, do_profile=False,
+                         pubmedqa_workdir=str(PUBMEDQA), sudoku_workdir=str(tmp_path / "none"))
+    r = decode.run(ctx)
+    rows = [row for row in r["rows"] if row["model"] == "pubmedqa"]
+    assert [(row["kind"], row["batch"]) for row in rows] == [("ar", 1), ("diffusion", 1), ("ar", 2),
+                                                            ("diffusion", 2)]
+    diff_run, ar_run, questions = fixtures.pubmedqa_runs(ctx)[0]
+    assert str(next(diff_run.model.parameters()).dtype) == r["settings"]["pubmedqa"]["dtype"]
+    for row in rows:
+        assert row["n_questions"] == row["batch"] and 0 < row["tokens"] <= 32 * row["batch"]
+        assert {"accuracy", "macro_f1", "bleu", "unparsed", "tokens_per_s"} <= set(row)
+    ar2, d2 = rows[2], rows[3]
+    assert d2["vs_ar"] == pytest.approx(d2["tokens_per_s"] / ar2["tokens_per_s"])
+    assert d2["steps"] == 2 and d2["forward_passes"] >= 2
+    # the AR row's accuracy is the task's score of a greedy decode of the same questions
+    from dgemma.eval import harness
+    task = get_task("pubmedqa").configure(diff_run.cfg)
+    gen = harness.generate_ar(ar_run, task, questions[:2], batch_size=2, max_new_tokens=32)
+    assert task.score([ar_run.tokenizer.decode(t) for t in gen.tokens], gen.records)["accuracy"] == ar2["accuracy"]
+    assert any(x["name"].startswith("pubmedqa diffusion S=2 vs AR fine-tune b2") for x in r["ratios"])
+    assert any("adapted PubMedQA" in t for t in r["tables"])
+
+
+@pytest.mark.parametrize("compile_", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_step_cost_rows_are_ratios_of_forwards_timed_in_one_run(tmp_path, one_thread, compile_):
+    """``decode --only step_cost`` on the tiny model: one row per implementation and canvas size,
+    ``vs_ar_step`` = the row's time over its own implementation's C = 1 step, ``vs_transformers`` =
+    dgemma's time over transformers' at the same C (compiled rows too, with their compile time)."""
+    from dgemma.bench import step_cost
+
+    ctx = common.Context(out=tmp_path, quick=True, profile="quick", verbose=False, do_profile=False,
+                         compile=compile_)
+    r = step_cost.run(ctx, (torch.float32,))
+    rows = r["rows"]
+    impls = ["dgemma", "transformers"] + (["dgemma-compiled"] if compile_ else [])
+    assert sorted({(x["impl"], x["canvas"]) for x in rows}) == sorted((i, c) for i in impls for c in (1, 16, 32))
+    by = {(x["impl"], x["canvas"]): x for x in rows}
+    for (impl, c), x in by.items():
+        assert x["kind"] == "step_cost" and x["dtype"] == "float32" and x["median_s"] > 0
+        assert x["vs_ar_step"] == pytest.approx(x["median_s"] / by[(impl, 1)]["median_s"])
+        if impl != "transformers":
+            assert x["vs_transformers"] == pytest.approx(x["median_s"] / by[("transformers", c)]["median_s"])
+    if compile_:
+        assert by[("dgemma-compiled", 1)]["compile_s"] > 0 and by[("dgemma-compiled", 16)]["compile_s"] > 0
+        assert "compile_s" not in by[("dgemma-compiled", 32)]  # dynamic shapes: no recompile for C = 32
+        assert all(by[("dgemma-compiled", c)]["argmax_agree_eager"] == 1.0 for c in (1, 16, 32))  # fp32
+    assert len(r["ratios"]) == 3 * (len(impls) - 1)
 
 
 # -- helpers -------------------------------------------------------------------------------------
