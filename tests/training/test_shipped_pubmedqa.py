@@ -63,3 +63,15 @@ def test_merged_export_gives_our_logits_and_keeps_the_diffusion_side(exported):
     assert back.config.shift_logits == run.model.config.shift_logits
     sc = run.model.self_conditioning.state_dict()
     assert all(torch.equal(v, back.self_conditioning.state_dict()[k]) for k, v in sc.items())
+
+
+def test_both_shipped_models_are_complete_checkpoints_at_their_last_step():
+    """What ``dgemma eval --cfg.workdir=...`` opens: the adapter (with its optimizer state, for
+    ``dgemma export``) and the AR baseline in ``ar/`` (weights only); neither may be skipped."""
+    from dgemma.training.checkpoint import latest_checkpoint, load_checkpoint
+
+    for workdir, optim in ((SHIPPED, True), (SHIPPED / "ar", False)):
+        path = latest_checkpoint(workdir)
+        assert path is not None and path.name == "step_00000120", workdir
+        state = load_checkpoint(path)
+        assert (state["optim"] is not None) == optim and state["step"] == 120
