@@ -12,6 +12,8 @@ puzzle still broken after the last round is reported unsolved, never shown as an
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from pathlib import Path
 
 from dgemma.errors import DGemmaError
@@ -162,14 +164,25 @@ def run(argv: list[str]) -> int:
 
     if not Path(args.checkpoint).is_dir():
         raise DGemmaError(f"checkpoint not found: {args.checkpoint} (train one with configs/sudoku_small.py)")
+    t0 = time.perf_counter()
     run_ = load_run(args.checkpoint, step=args.step, device="cpu", dtype=args.dtype)
+    t1 = time.perf_counter()
     if args.no_verify:
-        return _model_only(solve(puzzles, run_, steps=args.steps, step_type=args.step_type, seed=args.seed))
+        results = solve(puzzles, run_, steps=args.steps, step_type=args.step_type, seed=args.seed)
+        _timing(len(puzzles), t1 - t0, time.perf_counter() - t1, "model only")
+        return _model_only(results)
     from dgemma.eval.sudoku_verify import solve_run
 
     rounds = _default_rounds() if args.rounds is None else args.rounds
     solves = solve_run(run_, puzzles, rounds=rounds, num_steps=args.steps, step_type=args.step_type, seed=args.seed)
+    _timing(len(puzzles), t1 - t0, time.perf_counter() - t1, f"verified, up to {_rounds(rounds)}")
     return _verified(solves, rounds)
+
+
+def _timing(n: int, load_s: float, solve_s: float, mode: str) -> None:
+    """Wall time on stderr (stdout stays the boards): loading apart from solving."""
+    print(f"[dgemma] solve: {n} puzzle{'s' * (n != 1)} in {solve_s:.2f} s ({solve_s / max(n, 1):.2f} s a board, "
+          f"{mode}) after loading the model in {load_s:.1f} s", file=sys.stderr)
 
 
 def _default_rounds() -> int:

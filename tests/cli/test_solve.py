@@ -43,9 +43,13 @@ def test_solves_unseen_easy_puzzles():
 def test_cli_prints_a_board_and_a_verdict(capsys):
     p = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
     code = main(["solve", p])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.count("+-------+-------+-------+") == 4
     assert ("valid solution, keeps every clue" in out) == (code == 0)
+    # the time goes to stderr, loading apart from solving (stdout stays the board)
+    assert re.search(r"\[dgemma\] solve: 1 puzzle in \d+\.\d\d s \(\d+\.\d\d s a board, verified, up to \d+ "
+                     r"rounds?\) after loading the model in \d+\.\d s", captured.err), captured.err
 
 
 def test_board_layout():
