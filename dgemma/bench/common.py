@@ -428,10 +428,11 @@ def write_result(result: dict, out: Path) -> Path:
 
 
 def ratios_table(result: dict) -> str:
-    rows = [{"name": r["name"], "value": r["value"], "baseline": r["baseline"],
-             "flag": "WORSE" if r["worse_than_baseline"] else ""} for r in result["ratios"]]
-    return format_table(rows, [("name", "ratio"), ("value", "x"), ("baseline", "baseline"), ("flag", "")],
-                        title=f"== {result['suite']}: ratios (x > 1: better than the baseline)")
+    rows = [{"name": r["name"], "value": r["value"], "better": "x > 1" if r["higher_is_better"] else "x < 1",
+             "baseline": r["baseline"], "flag": "WORSE" if r["worse_than_baseline"] else ""} for r in result["ratios"]]
+    return format_table(rows, [("name", "ratio"), ("value", "x"), ("better", "better if"), ("baseline", "baseline"),
+                               ("flag", "")],
+                        title=f"== {result['suite']}: ratios against the baseline (WORSE: on its wrong side of 1)")
 
 
 def no_grad_if(flag: bool):

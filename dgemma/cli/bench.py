@@ -98,11 +98,11 @@ def run(argv: list[str]) -> int:
     if ctx.device.startswith("cuda") and not args.quick and args.suite != "gpu":
         ctx.profile = "gpu"
     torch.manual_seed(0)
+    if args.compile and not args.only:
+        raise DGemmaError("--compile applies to decode --only step_cost")
     if args.only:
         if args.suite != "decode":
             raise DGemmaError(f"--only {args.only} belongs to the decode suite, not {args.suite}")
-    elif args.compile:
-        raise DGemmaError("--compile applies to decode --only step_cost")
         from dgemma.bench import step_cost
         from dgemma.device import resolve_dtype
 

@@ -61,7 +61,7 @@ def test_every_suite_writes_json_with_the_common_head(quick_all, suite):
 
 def test_all_prints_tables_and_ratios_and_writes_a_summary(quick_all):
     out, text = quick_all
-    for title in ("== decode:", "== loss:", "== attention:", "== train:", "ratios (x > 1"):
+    for title in ("== decode:", "== loss:", "== attention:", "== train:", "ratios against the baseline"):
         assert title in text
     summary = json.loads((out / "all.json").read_text())
     assert set(summary["suites"]) == set(SUITES)
@@ -222,6 +222,18 @@ def test_step_cost_rows_are_ratios_of_forwards_timed_in_one_run(tmp_path, one_th
         assert "compile_s" not in by[("dgemma-compiled", 32)]  # dynamic shapes: no recompile for C = 32
         assert all(by[("dgemma-compiled", c)]["argmax_agree_eager"] == 1.0 for c in (1, 16, 32))  # fp32
     assert len(r["ratios"]) == 3 * (len(impls) - 1)
+
+
+def test_the_step_cost_command_runs_only_the_step_cost_rows(tmp_path, one_thread, capsys):
+    """What a user types: ``dgemma bench decode --only step_cost`` writes step_cost rows only;
+    ``--compile`` elsewhere is refused with one line."""
+    assert main(["bench", "decode", "--only", "step_cost", "--quick", "--out", str(tmp_path), "--dtype",
+                 "float32"]) == 0
+    r = _load(tmp_path, "decode")
+    assert r["settings"]["only"] == "step_cost" and r["rows"]
+    assert {row["kind"] for row in r["rows"]} == {"step_cost"} and "== decode --only step_cost" in capsys.readouterr().out
+    assert main(["bench", "decode", "--compile", "--quick", "--out", str(tmp_path)]) == 2
+    assert "--compile applies to decode --only step_cost" in capsys.readouterr().err
 
 
 # -- helpers -------------------------------------------------------------------------------------
