@@ -453,25 +453,28 @@ def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_toke
     out: list[list[int]] = [[] for _ in range(b)]
     fwd = [1] * b
     active = torch.arange(b, device=dev)
+    rows = list(range(b))  # ``active`` on the host: the per-token bookkeeping stays in Python lists
+    stops = set(stop_ids)
     for i in range(max_new_tokens):
         if temperature > 0:
             nxt = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator)[:, 0]
         else:
             nxt = logits.argmax(-1)
-        done = torch.zeros_like(nxt, dtype=torch.bool)
-        for j, (r, tok) in enumerate(zip(active.tolist(), nxt.tolist())):
+        toks = nxt.tolist()  # the one host sync of a step
+        for r, tok in zip(rows, toks):
             out[r].append(tok)
-            done[j] = tok in stop_ids
-        keep = ~done
-        if i == max_new_tokens - 1 or not keep.any():
+        keep = [tok not in stops for tok in toks]
+        if i == max_new_tokens - 1 or not any(keep):
             break
-        if not keep.all():
-            active, nxt, pos = active[keep], nxt[keep], pos[keep]
-            cache = cache.select(keep.nonzero().squeeze(1))
+        if not all(keep):
+            kept = torch.tensor([j for j, k in enumerate(keep) if k], device=dev)
+            active, nxt, pos = active[kept], nxt[kept], pos[kept]
+            rows = [r for r, k in zip(rows, keep) if k]
+            cache = cache.select(kept)
         ones = torch.ones(active.numel(), 1, dtype=torch.bool, device=dev)
         info = TokenInfo(pos[:, None], torch.zeros_like(pos[:, None]), ~ones, ones)
-        logits = fold_aliases(model(nxt[:, None], info=info, cache=cache)[:, 0], aliases)
-        for r in active.tolist():
+        logits = fold_aliases(model(nxt[:, None], info=info, cache=cache, write=True)[:, 0], aliases)
+        for r in rows:
             fwd[r] += 1
         pos = pos + 1
     return ARResult(out, fwd, time.perf_counter() - t0)

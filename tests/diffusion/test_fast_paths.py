@@ -255,3 +255,24 @@ def test_gate_stop_tokens_literal_example():
     assert out.argmax(-1).tolist() == [[1, 0]]  # 0.3 < 0.5: the best other token; 0.8: the stop stays
     assert torch.isinf(out[0, 0, 0]) and torch.equal(out[0, 1], probs.log()[0, 1])
     assert torch.equal(gate_stop_tokens(probs.log(), (0,), 0.2), probs.log())  # every stop above the bar
+
+
+def test_ar_rows_that_stop_leave_the_batch_without_changing_the_others():
+    """``ar_generate`` drops finished rows from the batch and the cache (``KVCache.select``): each
+    row's tokens and forward count equal decoding it alone (fp64, greedy, a stop token that some
+    rows emit early)."""
+    from dgemma.diffusion.sampler import ar_generate
+
+    model = tiny()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, V, (4, 6), generator=g)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    free = ar_generate(model, ids, valid, max_new_tokens=10).tokens
+    r0, k = next((r, k) for r in range(4) for k in range(1, 10) if free[r][k] not in free[r][:k])
+    stop = free[r0][k]  # row r0 stops at token k + 1; the others when (if) they emit it
+    both = ar_generate(model, ids, valid, max_new_tokens=10, stop_ids=(stop,))
+    assert both.tokens[r0] == free[r0][:k + 1]
+    assert len({len(t) for t in both.tokens}) > 1  # rows did leave at different steps
+    for r in range(4):
+        alone = ar_generate(model, ids[r:r + 1], valid[r:r + 1], max_new_tokens=10, stop_ids=(stop,))
+        assert both.tokens[r] == alone.tokens[0] and both.forward_passes[r] == alone.forward_passes[0]
