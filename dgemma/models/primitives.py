@@ -79,9 +79,12 @@ class Rotary(nn.Module):
         """``positions [B, L]`` -> ``cos, sin [B, 1, L, head_dim]`` in ``dtype``.
 
         Inside a compiled graph the table is the one already built (a host sync to size it would
-        break the graph): ``dgemma/models/compiled.py:CompiledForward`` grows it before each call.
+        break the graph): ``dgemma/models/compiled.py:CompiledModel`` grows it before each call.
         """
         if torch.compiler.is_compiling():
+            if self._table is None:
+                raise RuntimeError("compile the model through dgemma.models.compiled.CompiledModel: it sizes the "
+                                   "rotary table outside the graph")
             cos, sin = self._table
         else:
             top = int(positions.max()) + 1
