@@ -106,10 +106,10 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
                     fns["dgemma-compiled"] = _dgemma_forward(compiled, prompt, c)[0]
                 if hf is not None:
                     fns["transformers"] = _hf_forward(hf, prompt, tokens)
-                spent = compiled.compile_s if compiled is not None else 0.0
+                before = (compiled.compiles, compiled.compile_s) if compiled is not None else None
                 for fn in fns.values():
                     fn()  # warm-up (compiles a new kind of call)
-                compile_s = compiled.compile_s - spent if compiled is not None else 0.0
+                compile_s = compiled.compile_s - before[1] if before and compiled.compiles > before[0] else None
                 ms = measure_interleaved(fns, repeats=reps, max_seconds=None if ctx.quick else 20.0, device=ctx.device)
                 argmax = ours().argmax(-1).cpu()
                 if dtype == torch.float32:
@@ -122,7 +122,7 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
                         row["argmax_agree_fp32"] = float((argmax == reference[c]).float().mean())
                     if impl == "dgemma-compiled":
                         row["argmax_agree_eager"] = float((m.result.argmax(-1).cpu() == argmax).float().mean())
-                        if compile_s > 0.5:  # this row's warm-up compiled a graph
+                        if compile_s is not None:  # this row's warm-up compiled a new kind of call
                             row["compile_s"] = compile_s
                     rows.append(row)
             if dtype not in dtypes:  # fp32 was run only as the agreement reference
