@@ -428,14 +428,19 @@ def _hints_kw(pins) -> dict:
     return {} if pins is None else {"hints": pins}
 
 
+def _skip_part(result: dict, key: str, label: str, why: str) -> list[dict]:
+    """A trained-model part without its run: a note and ``settings[key]`` say why; no rows."""
+    result["notes"].append(f"{label} part skipped: {why}")
+    result["settings"][key] = {"skipped": why}
+    return []
+
+
 def _bench_sudoku(ctx: Context, result: dict, budget: Budget, sz: dict, run=None) -> list[dict]:
     """The trained Sudoku model: speed and accuracy per sampler setting, AR and generate baselines."""
     if run is None:
         run, why = fixtures.sudoku_run(ctx)
         if run is None:
-            result["notes"].append(f"Sudoku part skipped: {why}")
-            result["settings"]["sudoku"] = {"skipped": why}
-            return []
+            return _skip_part(result, "sudoku", "Sudoku", why)
     dev = ctx.device
     model, tok, cfg = run.model.eval(), run.tokenizer, run.cfg
     task = get_task("sudoku")
@@ -577,13 +582,10 @@ PUBMEDQA_COLUMNS = [("name", "row"), ("batch", "B"), ("steps", "steps"), ("n_que
 def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=None) -> list[dict]:
     """The shipped PubMedQA adapter against its AR fine-tune: tokens/s with the quality beside it.
     ``runs``: ``(diffusion_run, ar_run, questions)`` instead of ``fixtures.pubmedqa_runs``."""
-    why = None
     if runs is None:
         runs, why = fixtures.pubmedqa_runs(ctx)
-    if runs is None:
-        result["notes"].append(f"PubMedQA part skipped: {why}")
-        result["settings"]["pubmedqa"] = {"skipped": why}
-        return []
+        if runs is None:
+            return _skip_part(result, "pubmedqa", "PubMedQA", why)
     diff, ar, questions = runs
     task = get_task("pubmedqa").configure(diff.cfg)
     e = diff.cfg.eval_ds

@@ -452,8 +452,7 @@ def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_toke
     pos = last + 1
     out: list[list[int]] = [[] for _ in range(b)]
     fwd = [1] * b
-    active = torch.arange(b, device=dev)
-    rows = list(range(b))  # ``active`` on the host: the per-token bookkeeping stays in Python lists
+    rows = list(range(b))  # the batch rows still decoding: the per-token bookkeeping stays on the host
     stops = set(stop_ids)
     for i in range(max_new_tokens):
         if temperature > 0:
@@ -468,10 +467,10 @@ def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_toke
             break
         if not all(keep):
             kept = torch.tensor([j for j, k in enumerate(keep) if k], device=dev)
-            active, nxt, pos = active[kept], nxt[kept], pos[kept]
+            nxt, pos = nxt[kept], pos[kept]
             rows = [r for r, k in zip(rows, keep) if k]
             cache = cache.select(kept)
-        ones = torch.ones(active.numel(), 1, dtype=torch.bool, device=dev)
+        ones = torch.ones(len(rows), 1, dtype=torch.bool, device=dev)
         info = TokenInfo(pos[:, None], torch.zeros_like(pos[:, None]), ~ones, ones)
         logits = fold_aliases(model(nxt[:, None], info=info, cache=cache, write=True)[:, 0], aliases)
         for r in rows:

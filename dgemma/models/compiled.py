@@ -7,15 +7,17 @@ It compiles with dynamic shapes, so the growing KV cache does not recompile: one
 of call (prefill/append, denoising step, AR step), each compiled at its first call, which
 :attr:`CompiledModel.compile_s` counts.
 
-What the graph cannot do is done eagerly before each call: the rotary tables are grown to the
-largest position (``dgemma/models/primitives.py:Rotary.forward`` reads them as they are inside
-a graph) and the "noisy tokens are never written" check runs here. Both need one host sync,
-which eager decoding pays anyway.
+What the graph cannot do is done eagerly before each call, by the same code the eager forward
+runs: the rotary tables are grown to the largest position
+(``dgemma/models/primitives.py:Rotary.cover``; inside a graph ``Rotary.forward`` reads them as
+they are) and ``write`` is resolved and checked
+(``dgemma/models/transformer.py:DiffusionGemma.resolve_write``). Both are host syncs eager
+decoding pays anyway.
 
-Measured on this project's 2-core AMD EPYC (AVX512-BF16), Gemma 3 270M in bf16, 64-token prompt
-(``dgemma bench decode --only step_cost --compile``; ``docs/benchmarks.md``): the AR step gains
-most, a 32-token denoising step little, and each graph takes about a minute to compile, so
-it is off by default on a CPU and pays only over long evaluations (``--compile``).
+Measured on this project's 2-core AMD EPYC (AVX512-BF16), Gemma 3 270M in bf16, 64-token prompt,
+idle (``dgemma bench decode --only step_cost --compile``; ``docs/benchmarks.md``): the AR step and
+16-32-token denoising steps cost the same as eager, 64-256-token forwards 20-30 % less, and each
+graph took 50-59 s to compile, so it is off by default on a CPU (``--compile``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ class CompiledModel:
 
     def __init__(self, model, *, mode: str | None = None):
         self.module = model
-        self.mode = mode
         self._forward = torch.compile(model.forward, dynamic=True, mode=mode)
         self._seen: set[tuple] = set()  # kinds of call already compiled
         self.compile_s = 0.0  # seconds spent in the first call of each kind (tracing + compiling + running once)
@@ -48,16 +49,9 @@ class CompiledModel:
         if info is None:  # the model's defaults read the cache on the host: run them eagerly
             return model(input_ids, info=info, cache=cache, write=write, selfcond=selfcond, t=t,
                          return_hidden=return_hidden)
-        noisy = bool(info.noisy.any())
-        if write is None:
-            write = not noisy
-        if write and noisy:
-            raise ValueError("noisy (decoder) tokens are never written to the KV cache")
-        top = int(info.positions.max()) + 1
+        write = model.resolve_write(info, write)
         for rotary in model.rotary.values():
-            if top > rotary.max_positions:
-                raise ValueError(f"position {top - 1} exceeds max_position_embeddings {rotary.max_positions}")
-            rotary.table(info.positions.device, top)
+            rotary.cover(info.positions)
         kind = (cache is not None, write, selfcond is not None, t is not None, return_hidden, torch.is_grad_enabled())
         first = kind not in self._seen
         t0 = time.perf_counter()

@@ -81,17 +81,21 @@ class Rotary(nn.Module):
         Inside a compiled graph the table is the one already built (a host sync to size it would
         break the graph): ``dgemma/models/compiled.py:CompiledModel`` grows it before each call.
         """
-        if torch.compiler.is_compiling():
-            if self._table is None:
-                raise RuntimeError("compile the model through dgemma.models.compiled.CompiledModel: it sizes the "
-                                   "rotary table outside the graph")
-            cos, sin = self._table
-        else:
-            top = int(positions.max()) + 1
-            if top > self.max_positions:
-                raise ValueError(f"position {top - 1} exceeds max_position_embeddings {self.max_positions}")
-            cos, sin = self.table(positions.device, top)
+        if not torch.compiler.is_compiling():
+            self.cover(positions)
+        elif self._table is None:
+            raise RuntimeError("compile the model through dgemma.models.compiled.CompiledModel: it sizes the "
+                               "rotary table outside the graph")
+        cos, sin = self._table
         return cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype)
+
+    def cover(self, positions: Tensor) -> None:
+        """Grow the table to every position in ``positions`` (one host sync), refusing any beyond
+        ``max_position_embeddings``."""
+        top = int(positions.max()) + 1
+        if top > self.max_positions:
+            raise ValueError(f"position {top - 1} exceeds max_position_embeddings {self.max_positions}")
+        self.table(positions.device, top)
 
 
 def rotate_half(x: Tensor) -> Tensor:

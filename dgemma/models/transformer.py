@@ -325,10 +325,8 @@ class DiffusionGemma(nn.Module):
             if cache is not None and cache.cursor:
                 last = cache.info().positions.max(-1).values  # continue each row's positions
                 info.positions = info.positions + last[:, None] + 1
-        if write is None:
-            write = not bool(info.noisy.any())
-        if write and not torch.compiler.is_compiling() and bool(info.noisy.any()):  # compiled.py checks it eagerly
-            raise ValueError("noisy (decoder) tokens are never written to the KV cache")
+        if not torch.compiler.is_compiling():  # compiled.py resolves it eagerly, before the graph
+            write = self.resolve_write(info, write)
         k_info = cache.key_info(info) if cache is not None else info
         attend = get_attention(cfg.attn_implementation)
         masks = {
@@ -349,6 +347,15 @@ class DiffusionGemma(nn.Module):
             cache.advance(info)
         x = self.model.norm(x)
         return x if return_hidden else self.logits(x)
+
+    @staticmethod
+    def resolve_write(info: TokenInfo, write: bool | None) -> bool:
+        """``forward``'s ``write``: default True for clean inputs, False when any token is noisy;
+        writing a noisy token is refused (one host sync)."""
+        noisy = bool(info.noisy.any())
+        if write and noisy:
+            raise ValueError("noisy (decoder) tokens are never written to the KV cache")
+        return not noisy if write is None else write
 
     def num_parameters(self) -> int:
         """Unique parameters (the tied LM head counted once)."""
