@@ -3,13 +3,16 @@
 Importing this module registers the model with the harness's registry
 (``lm_eval.api.registry.register_model``). lm-eval 0.4.13 resolves ``--model`` against the models
 registered in its own process and discovers no third-party package (no entry point, no plugin
-path), so its bare ``lm-eval`` command cannot see it; ``dgemma lm-eval ARGS``
-(``dgemma/cli/lm_eval.py``) is that same command line, run after this import::
+path), so dgemma's install adds ``dgemma-lm-eval.pth``, whose start-up hook
+(``_dgemma_lm_eval_hook.py``) registers this class lazily once lm-eval loads its models; lm-eval's
+own command line then finds it::
 
-    dgemma lm-eval run --model dgemma --model_args run=checkpoints/sudoku_small,steps=81 \\
+    lm_eval --model dgemma --model_args run=checkpoints/sudoku_small,steps=81 \\
         --tasks my_task --include_path my_tasks/ --device cpu --batch_size 16
 
-From Python: ``import dgemma.lm_eval_model`` then ``lm_eval.simple_evaluate(model="dgemma", ...)``.
+``dgemma lm-eval ARGS`` (``dgemma/cli/lm_eval.py``) is the same command line run after this
+import, for installs without the hook. From Python: ``lm_eval.simple_evaluate(model="dgemma",
+...)`` (the hook), or ``import dgemma.lm_eval_model`` first.
 
 ``--model_args`` (comma-separated ``key=value``):
 

@@ -1,8 +1,9 @@
 """The ``dgemma`` model of lm-evaluation-harness (dgemma/lm_eval_model.py): per-request seeding
 that makes outputs independent of the batch, ``until`` and ``max_gen_toks``, the Monte-Carlo ELBO
-behind ``loglikelihood``, and the harness's real command line (``dgemma lm-eval``, a subprocess)
-on local task YAMLs over local JSONL files: a generation task with the shipped Sudoku checkpoint
-and a multiple-choice task with a tiny run. Offline: no hub."""
+behind ``loglikelihood``, and the harness's real command lines (lm-eval's own ``lm_eval``, which
+finds ``--model dgemma`` through the installed ``dgemma-lm-eval.pth`` hook, and ``dgemma lm-eval``;
+subprocesses) on local task YAMLs over local JSONL files: a generation task with the shipped Sudoku
+checkpoint and a multiple-choice task with a tiny run. Offline: no hub."""
 
 from __future__ import annotations
 
@@ -178,16 +179,21 @@ metric_list:
 """
 
 
-def harness(tmp_path: Path, model_args: str, task: str, template: str, records: list[dict]) -> tuple[dict, str]:
-    """Write the task and its data, run ``dgemma lm-eval run`` on them, return (results, log)."""
+LM_EVAL = Path(sys.executable).parent / "lm_eval"  # lm-eval's console script, beside this interpreter
+
+
+def harness(tmp_path: Path, model_args: str, task: str, template: str, records: list[dict],
+            cli: str = "lm_eval") -> tuple[dict, str]:
+    """Write the task and its data, run ``lm_eval`` (or ``dgemma lm-eval run``) on them, return
+    (results, log)."""
     data = tmp_path / f"{task}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "tasks").mkdir(exist_ok=True)
     (tmp_path / "tasks" / f"{task}.yaml").write_text(template.format(name=task, data=data))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "dgemma", "lm-eval", "run", "--model", "dgemma", "--model_args", model_args,
-           "--tasks", task, "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "8",
+    head = [str(LM_EVAL)] if cli == "lm_eval" else [sys.executable, "-m", "dgemma", "lm-eval", "run"]
+    cmd = [*head, "--model", "dgemma", "--model_args", model_args, "--tasks", task, "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "8",
            "--output_path", str(tmp_path / "out")]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -205,6 +211,19 @@ def test_cli_generation_task_on_the_shipped_sudoku_model(tmp_path, puzzles):
 def test_cli_multiple_choice_task_on_a_tiny_run(tmp_path, tiny_run, puzzles):
     records = [{"puzzle": spaced(p["puzzle"]), "label": 0,
                 "choices": [spaced(p["solution"]), spaced(wrong(p["puzzle"], p["solution"]))]} for p in puzzles]
-    res, log = harness(tmp_path, f"run={tiny_run},mc_samples=2", "dgemma_sudoku_mc", MC, records)
+    res, log = harness(tmp_path, f"run={tiny_run},mc_samples=2", "dgemma_sudoku_mc", MC, records, cli="dgemma")
     assert 0.0 <= res["acc,none"] <= 1.0  # a 10-step model: any accuracy, but computed end to end
     assert "Monte-Carlo estimates of the diffusion ELBO" in log
+
+
+def test_the_installed_hook_registers_dgemma_lazily_and_keeps_the_harness_models():
+    """``dgemma-lm-eval.pth`` (setup.py) imports ``_dgemma_lm_eval_hook`` in every interpreter: it
+    must import neither dgemma nor torch there, and once lm-eval loads its models ``dgemma`` must
+    resolve beside them (the hook runs after lm-eval's own registrations, not instead)."""
+    probe = ("import sys; start = {m for m in ('dgemma', 'torch', 'lm_eval') if m in sys.modules}; "
+             "hooked = '_dgemma_lm_eval_hook' in sys.modules; "
+             "from lm_eval.api.registry import get_model; "
+             "print(sorted(start), hooked, get_model('dgemma').__name__, get_model('hf').__name__)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["[]", "True", "DGemmaLM", "HFLM"]
