@@ -30,6 +30,7 @@ class Example:
     truncated: bool
     record: dict
     hint: list[int] | None = None  # per canvas position: a pinned token id, or -1 (infilling)
+    weight: list[float] | None = None  # per canvas position: the loss weight (key tokens), else 1
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -87,8 +88,10 @@ def response_end_id(tokenizer, response_end: str = "end_of_turn") -> int:
 
 
 def encode_example(tokenizer, record: dict, *, prompt_len: int, num_canvases: int, canvas_size: int,
-                   hint_fn=None, response_end: str = "end_of_turn") -> Example:
-    """``hint_fn(record, response_ids) -> list[int] | None`` pins known response tokens (``-1`` = free)."""
+                   hint_fn=None, response_end: str = "end_of_turn", key_fn=None, key_weight: float = 1.0) -> Example:
+    """``hint_fn(record, response_ids) -> list[int] | None`` pins known response tokens (``-1`` = free);
+    ``key_fn(record, response_ids) -> list[int]`` names the key positions of the response (PubMedQA's
+    verdict), whose loss is weighted ``key_weight``."""
     for key in ("prompt", "response"):
         if not isinstance(record.get(key), str):
             raise DGemmaError(f"record {record.get('id', '?')!r} has no string field {key!r}")
@@ -100,7 +103,14 @@ def encode_example(tokenizer, record: dict, *, prompt_len: int, num_canvases: in
     if hint_fn is not None and (pins := hint_fn(record, response)) is not None:
         width = num_canvases * canvas_size
         hint = (list(pins) + [-1] * width)[:width]
-    return Example(prompt, canvases, truncated, record, hint)
+    weight = None
+    if key_fn is not None and key_weight != 1.0:
+        width = num_canvases * canvas_size
+        weight = [1.0] * width
+        for k in key_fn(record, response):
+            if 0 <= k < width:  # a key token cut off with the response's end is not trained anyway
+                weight[k] = key_weight
+    return Example(prompt, canvases, truncated, record, hint, weight)
 
 
 def collate(examples: list[Example], *, prompt_len: int, pad_id: int) -> dict[str, Tensor]:
@@ -117,6 +127,9 @@ def collate(examples: list[Example], *, prompt_len: int, pad_id: int) -> dict[st
     if any(ex.hint is not None for ex in examples):
         width = c["tokens"].shape[1]
         out["canvas_hint"] = torch.tensor([ex.hint or [-1] * width for ex in examples], dtype=torch.long)
+    if any(ex.weight is not None for ex in examples):
+        width = c["tokens"].shape[1]
+        out["canvas_weight"] = torch.tensor([ex.weight or [1.0] * width for ex in examples], dtype=torch.float32)
     return out
 
 
@@ -180,11 +193,12 @@ class SFTData:
 
     def __init__(self, path: str | Path | None, tokenizer, *, prompt_len: int, num_canvases: int, canvas_size: int,
                  limit: int | None = None, records: list[dict] | None = None, hint_fn=None,
-                 response_end: str = "end_of_turn"):
+                 response_end: str = "end_of_turn", key_fn=None, key_weight: float = 1.0):
         records = (read_jsonl(path) if records is None else records)[:limit]
         self.prompt_len, self.pad_id = prompt_len, tokenizer.pad_id
         self.examples = [encode_example(tokenizer, r, prompt_len=prompt_len, num_canvases=num_canvases,
-                                        canvas_size=canvas_size, hint_fn=hint_fn, response_end=response_end)
+                                        canvas_size=canvas_size, hint_fn=hint_fn, response_end=response_end,
+                                        key_fn=key_fn, key_weight=key_weight)
                          for r in records]
         self.num_truncated = sum(ex.truncated for ex in self.examples)
 

@@ -34,7 +34,7 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 def _check(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, chunk_tokens: int,
-           softcap: float | None) -> None:
+           softcap: float | None, weights: Tensor | None = None) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise DGemmaError(
             f"cross-entropy expects hidden [N, d] and weight [V, d]; got {tuple(hidden.shape)} "
@@ -54,6 +54,8 @@ def _check(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, chunk_
         raise DGemmaError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if softcap is not None and not softcap > 0:
         raise DGemmaError(f"softcap must be positive or None, got {softcap}")
+    if weights is not None and (weights.shape != (n,) or not weights.is_floating_point()):
+        raise DGemmaError(f"weights must be a float tensor of shape [{n}], got {weights.dtype} {tuple(weights.shape)}")
 
 
 class _ChunkedCE(torch.autograd.Function):
@@ -66,8 +68,9 @@ class _ChunkedCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int,
-                softcap: float | None) -> Tensor:
+                softcap: float | None, row_weights: Tensor | None = None) -> Tensor:
         cd = _compute_dtype(hidden, weight)
+        rw = None if row_weights is None else row_weights.to(cd)
         w = weight.to(cd)
         total = torch.zeros((), dtype=cd, device=hidden.device)
         lse_parts = []
@@ -76,12 +79,13 @@ class _ChunkedCE(torch.autograd.Function):
             if softcap is not None:
                 z.div_(softcap).tanh_().mul_(softcap)
             lse = torch.logsumexp(z, dim=-1)
-            total += (lse - z.gather(1, targets[s:s + chunk, None]).squeeze(1)).sum()
+            nll = lse - z.gather(1, targets[s:s + chunk, None]).squeeze(1)
+            total += (nll if rw is None else nll * rw[s:s + chunk]).sum()
             lse_parts.append(lse)
             del z
         lse_all = torch.cat(lse_parts) if lse_parts else hidden.new_zeros(0, dtype=cd)
         ctx.save_for_backward(hidden, weight, targets, lse_all)
-        ctx.chunk, ctx.softcap = chunk, softcap
+        ctx.chunk, ctx.softcap, ctx.row_weights = chunk, softcap, rw
         return total
 
     @staticmethod
@@ -106,7 +110,7 @@ class _ChunkedCE(torch.autograd.Function):
                 p = y.sub_(lse).exp_()
             idx = targets[s:s + chunk, None]
             p.scatter_(1, idx, p.gather(1, idx) - 1)
-            p.mul_(g)
+            p.mul_(g if ctx.row_weights is None else g * ctx.row_weights[s:s + chunk, None])
             if softcap is not None:
                 p.mul_(t.square_().neg_().add_(1))
                 del t
@@ -118,12 +122,12 @@ class _ChunkedCE(torch.autograd.Function):
             del p
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
-                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                          softcap: float | None = None) -> tuple[Tensor, Tensor]:
+                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None,
+                          weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Summed ``-log softmax(softcap(hidden @ weight.T))[target]`` over rows where ``mask``.
 
     ``hidden [N, d]``, ``weight [V, d]`` (the tied embedding; it receives a gradient unless it
@@ -133,26 +137,33 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask:
     gradients come back in the inputs' dtypes. ``softcap`` is Gemma's final-logit soft-capping
     ``tanh(z / c) * c``. Returns ``(loss_sum, count)``: a scalar in the compute dtype and the
     int64 number of masked rows.
+
+    ``weights [N]`` (optional, float) multiplies each row's loss in the sum (and its gradient);
+    the count stays the number of masked rows, so a weight above 1 adds to a token's share of the
+    loss without taking any from the others (``DiffusionConfig.key_token_weight``).
     """
-    _check(hidden, weight, targets, mask, chunk_tokens, softcap)
+    _check(hidden, weight, targets, mask, chunk_tokens, softcap, weights)
     count = mask.sum()
-    loss_sum = _ChunkedCE.apply(hidden[mask], weight, targets[mask], chunk_tokens, softcap)
+    loss_sum = _ChunkedCE.apply(hidden[mask], weight, targets[mask], chunk_tokens, softcap,
+                                None if weights is None else weights[mask])
     return loss_sum, count
 
 
 def full_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
-                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                       softcap: float | None = None) -> tuple[Tensor, Tensor]:
+                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None,
+                       weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Eager reference for :func:`chunked_cross_entropy`: materialises all ``[N, V]`` logits.
 
     Same signature and results (``chunk_tokens`` is accepted and ignored); kept for tests.
     """
-    _check(hidden, weight, targets, mask, chunk_tokens, softcap)
+    _check(hidden, weight, targets, mask, chunk_tokens, softcap, weights)
     cd = _compute_dtype(hidden, weight)
     logits = hidden.to(cd) @ weight.to(cd).T
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     nll = F.cross_entropy(logits, targets.masked_fill(~mask, 0), reduction="none")
+    if weights is not None:
+        nll = nll * weights.to(cd)
     return (nll * mask).sum(), mask.sum()
 
 
@@ -188,14 +199,16 @@ def diffusion_loss(hidden: Tensor, weight: Tensor, x0: Tensor, mask: Tensor, *,
 
 
 def ar_loss(hidden: Tensor, weight: Tensor, ids: Tensor, valid: Tensor, *, scored: Tensor | None = None,
-            impl: str = "chunked", **kw) -> tuple[Tensor, Tensor, Tensor]:
+            weights: Tensor | None = None, impl: str = "chunked", **kw) -> tuple[Tensor, Tensor, Tensor]:
     """Next-token cross-entropy of the encoder over ``[prompt | response]``.
 
     ``hidden [B, L, d]`` at position ``i`` predicts ``ids[:, i + 1]``; position ``i`` counts when
     ``valid[:, i]`` and ``valid[:, i + 1]`` both hold, so nothing is predicted from or into
     padding, wherever the padding sits. ``scored [B, L]`` (optional) further limits the *targets*:
     ``ids[:, i + 1]`` counts only where ``scored[:, i + 1]`` (the response tokens of an SFT
-    example, say). Returns ``(mean, loss_sum, count)`` as :func:`diffusion_loss` does.
+    example, say). ``weights [B, L]`` (optional) weighs each *target* token ``ids[:, i + 1]`` by
+    ``weights[:, i + 1]`` (see :func:`chunked_cross_entropy`). Returns ``(mean, loss_sum,
+    count)`` as :func:`diffusion_loss` does.
     """
     if hidden.dim() != 3 or ids.shape != hidden.shape[:2] or valid.shape != ids.shape:
         raise DGemmaError(
@@ -212,6 +225,10 @@ def ar_loss(hidden: Tensor, weight: Tensor, ids: Tensor, valid: Tensor, *, score
                               f"{tuple(scored.shape)}")
         mask &= scored.roll(-1, dims=1)
     mask[:, -1] = False
+    if weights is not None:
+        if weights.shape != ids.shape:
+            raise DGemmaError(f"weights must have shape {tuple(ids.shape)}, got {tuple(weights.shape)}")
+        kw["weights"] = weights.roll(-1, dims=1).reshape(-1)
     ce = _cross_entropy(impl)
     loss_sum, count = ce(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
                          mask.reshape(-1), **kw)

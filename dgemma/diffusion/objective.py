@@ -14,7 +14,9 @@ Which canvases are decoded is the only difference between the adapter and Lite:
 
 ``loss_on="all"`` scores every valid position of a decoded canvas, corrupted or not (docs/design.md §2);
 ``"noised"`` only the corrupted ones (MDLM's masked loss, for absorbing noise). Pinned tokens
-(``canvas_hint >= 0``, infilling) are never corrupted nor scored.
+(``canvas_hint >= 0``, infilling) are never corrupted nor scored. ``canvas_weight`` (the task's
+key tokens, ``diffusion.key_token_weight``) multiplies a scored token's loss in both losses; the
+normalising counts stay token counts.
 
 Losses come back as sums and counts so the trainer normalises by valid tokens across
 gradient-accumulation micro-steps and ranks.
@@ -42,6 +44,7 @@ class Plan:
     chosen: Tensor  # [B, N] canvases decoded
     t: Tensor  # [B]
     x0: Tensor  # [B, L] clean tokens of the decoded canvas(es)
+    weight: Tensor | None  # [B, L] their loss weights (key tokens), or None: all 1
     xt: Tensor  # [B, L] their corruption
     target: Tensor  # [B, L] positions scored by the diffusion loss
     noisy: TokenInfo  # metadata of the decoder tokens
@@ -139,6 +142,7 @@ class DiffusionObjective:
         canvas_info = batch_info(batch, c)[:, p:]
         chosen_tok = chosen.repeat_interleave(c, dim=1) & canvas_info.valid  # [B, N*C]
         hint = batch.get("canvas_hint")  # [B, N*C], -1 = free: pinned tokens are never corrupted
+        weight = batch.get("canvas_weight")  # [B, N*C] loss weights (diffusion.key_token_weight)
         if self.decode == "one":  # decode only the chosen canvas: gather its C tokens per row
             k = chosen.float().argmax(-1)  # [B]
             idx = k[:, None] * c + torch.arange(c, device=dev)[None, :]  # [B, C]
@@ -146,6 +150,7 @@ class DiffusionObjective:
             sel = chosen_tok.gather(1, idx)
             info = canvas_info[torch.arange(b, device=dev)[:, None], idx]
             hint = None if hint is None else hint.gather(1, idx)
+            weight = None if weight is None else weight.gather(1, idx)
         else:
             x0, sel, info = canvas_ids, chosen_tok, canvas_info
         free = sel if hint is None else sel & (hint < 0)
@@ -156,7 +161,7 @@ class DiffusionObjective:
         if not self.diffusion_loss_weight:  # AR only: nothing is decoded or scored by the diffusion loss
             target, use = torch.zeros_like(target), None
         ar_count = self._ar_count(batch) if self.ar_loss_weight else 0
-        return Plan(chosen=chosen, t=t, x0=x0, xt=xt, target=target,
+        return Plan(chosen=chosen, t=t, x0=x0, weight=weight, xt=xt, target=target,
                     noisy=TokenInfo(info.positions, info.blocks, torch.ones_like(sel), info.valid),
                     selfcond_rows=use, diffusion_count=int(target.sum()), ar_count=ar_count)
 
@@ -196,8 +201,11 @@ class DiffusionObjective:
             if self.ar_loss_on == "response":  # targets: the canvas tokens only
                 scored = torch.cat([torch.zeros_like(batch["prompt_valid"], dtype=torch.bool),
                                     batch["canvas_valid"].bool()], 1).gather(1, order)
+            w = batch.get("canvas_weight")  # key tokens weigh as much as a target as in the diffusion loss
+            if w is not None:
+                w = torch.cat([torch.ones_like(prompt_ids, dtype=w.dtype), w], 1)[:, : ids.shape[1]].gather(1, order)
             _, ar_sum, ar_count = ar_loss(h, weight, ids.gather(1, order), clean.valid.gather(1, order),
-                                          scored=scored, softcap=softcap, chunk_tokens=self.chunk_tokens)
+                                          scored=scored, weights=w, softcap=softcap, chunk_tokens=self.chunk_tokens)
         else:
             ar_sum, ar_count = weight.new_zeros(()), torch.zeros((), dtype=torch.long, device=dev)
 
@@ -218,7 +226,8 @@ class DiffusionObjective:
         hd = align(model(xt, info=noisy, cache=cache, t=t, selfcond=selfcond, return_hidden=True))
         d_sum, d_count = chunked_cross_entropy(hd.reshape(-1, hd.shape[-1]), weight, plan.x0.reshape(-1),
                                                plan.target.reshape(-1), softcap=softcap,
-                                               chunk_tokens=self.chunk_tokens)
+                                               chunk_tokens=self.chunk_tokens,
+                                               weights=None if plan.weight is None else plan.weight.reshape(-1))
         if not self.ar_loss_weight and hidden is not None and hidden.requires_grad and _fsdp_layers(model):
             # Without the AR loss the encoder's output feeds no loss: its gradient arrives only
             # through the keys and values it wrote into the cache, and the last layer's output

@@ -6,7 +6,8 @@ A task owns, start to finish:
   :meth:`Task.prepare`) that writes ``train.jsonl`` and the eval splits as records
   ``{id, prompt, response, system?, ...}``; the prompt and response texts are built there;
 - **training data**: :meth:`Task.train_data`, the fixed-shape batches the trainer draws, and
-  :meth:`Task.hints` (tokens pinned in the canvas, e.g. Sudoku's clues);
+  :meth:`Task.hints` (tokens pinned in the canvas, e.g. Sudoku's clues) and :meth:`Task.key_tokens`
+  (the tokens the metric reads, e.g. PubMedQA's verdict, for ``diffusion.key_token_weight``);
 - **evaluation**: its splits and where they come from (:meth:`Task.source`, :meth:`Task.load`),
   what ends a response (:meth:`Task.stop_ids`), how the answer is read out of the text and
   scored (:meth:`Task.score`, :meth:`Task.score_one`), and which metrics head the summary
@@ -77,6 +78,22 @@ class Task:
             raise DGemmaError(f"data.pin_clues is for the sudoku task, not {cfg.data.task!r}")
         return None
 
+    def key_tokens(self, cfg, tokenizer):
+        """``fn(record, response_ids) -> positions`` of the response tokens the metric reads (their
+        loss is weighted ``diffusion.key_token_weight``), or None: the task has no such tokens."""
+        return None
+
+    def key_args(self, cfg, tokenizer) -> dict:
+        """``key_fn`` / ``key_weight`` for the training set; an error when a weight is asked of a
+        task that names no key tokens."""
+        w = cfg.diffusion.key_token_weight
+        if w == 1.0:
+            return {}
+        fn = self.key_tokens(cfg, tokenizer)
+        if fn is None:
+            raise DGemmaError(f"diffusion.key_token_weight={w}: task {self.name!r} names no key tokens")
+        return {"key_fn": fn, "key_weight": w}
+
     def train_data(self, cfg, tokenizer):
         """The training set: an object with ``len()`` and ``batch(indices) -> dict`` of
         fixed-shape tensors. Default: ``<data.path>/train.jsonl`` (or ``data.path`` itself, a file)."""
@@ -87,7 +104,7 @@ class Task:
                               f"--out DIR` and pass --cfg.data.path=DIR")
         path = Path(cfg.data.path)
         return SFTData(path / "train.jsonl" if path.is_dir() else path, tokenizer,
-                       hint_fn=self.hints(cfg, tokenizer), **canvas_shape(cfg))
+                       hint_fn=self.hints(cfg, tokenizer), **self.key_args(cfg, tokenizer), **canvas_shape(cfg))
 
     # ------------------------------------------------------------------------ evaluation
     @property

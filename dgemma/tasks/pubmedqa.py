@@ -308,6 +308,23 @@ class PubMedQATask(Task):
         return (f"pubmedqa: {c['train']} train, {c['train_eval']} train_eval, {c['test']} test, "
                 f"verdict {args.verdict} -> {args.out}")
 
+    def key_tokens(self, cfg, tokenizer):
+        """The verdict: the tokens of ``" yes"`` / ``" no"`` / ``" maybe"`` in "The answer is: X"
+        (the first occurrence for a verdict-first target, the last for verdict-last). It is one
+        of ~50 scored tokens of an answer, and the only one the accuracy reads."""
+        ids = {label: tokenizer.encode(" " + label) for label in LABELS}
+
+        def fn(record: dict, response: list[int]) -> list[int]:
+            word = ids[record["label"]]
+            at = [i for i in range(len(response) - len(word) + 1) if response[i:i + len(word)] == word]
+            if not at:
+                raise DGemmaError(f"PubMedQA record {record.get('id', '?')!r}: its response does not contain "
+                                  f"its verdict {record['label']!r} as tokens")
+            i = at[0] if record.get("verdict", "last") == "first" else at[-1]
+            return list(range(i, i + len(word)))
+
+        return fn
+
     def score(self, texts, records) -> dict:
         return pubmedqa_metrics(texts, [r["label"] for r in records], [r["long_answer"] for r in records],
                                 [r.get("verdict", "last") for r in records])

@@ -71,12 +71,15 @@ class DiffusionConfig:
     decode: Literal["one", "all"] = "one"  # canvases decoded per example: one (adapter) or all (Lite)
     loss_on: Literal["all", "noised"] = "all"  # diffusion loss on every canvas position, or corrupted ones
     mask_token_id: int | None = None  # absorbing process only: the mask token (None: the tokenizer's)
+    key_token_weight: float = 1.0  # loss weight of the tokens the task's metric reads (Task.key_tokens); 1 = off
 
     def __post_init__(self):
         _positive(self, "canvas_size", "num_canvases", "loss_chunk_tokens")
         _fraction(self, "selfcond_prob")
         if not 0.0 <= self.t_eps < 0.5:
             raise ValueError(f"t_eps must be in [0, 0.5), got {self.t_eps}")
+        if not self.key_token_weight > 0:
+            raise ValueError(f"key_token_weight must be positive, got {self.key_token_weight}")
         if self.ar_loss_weight < 0 or self.diffusion_loss_weight < 0:
             raise ValueError("ar_loss_weight and diffusion_loss_weight must be >= 0")
         if not self.ar_loss_weight and not self.diffusion_loss_weight:

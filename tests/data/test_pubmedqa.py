@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dgemma.cli.main import main
 from dgemma.tasks import pubmedqa as P
@@ -163,3 +164,42 @@ def test_bleu_reads_the_explanation_on_either_side_of_the_verdict():
     assert task.score_one(first, rec)["bleu"] == pytest.approx(100.0)
     with pytest.raises(DGemmaError, match="verdict positions"):
         P.pubmedqa_metrics([first], ["yes"], [ref], [])
+
+
+def test_key_tokens_are_the_verdict_and_weight_the_batch():
+    """``diffusion.key_token_weight`` weighs the verdict's tokens (first or last occurrence, as the
+    target puts it) and nothing else; a task without key tokens refuses the setting."""
+    from dgemma.data.sft import SFTData
+    from dgemma.tasks import get_task
+    from dgemma.training.config import Config, DataConfig, DiffusionConfig
+    from tests.conftest import tiny_bpe
+
+    first = P.make_record("1", _item(long_answer="It is no trick, yes.", decision="no"), "first")
+    last = P.make_record("2", _item(long_answer="It is no trick, yes.", decision="yes"), "last")
+    tok = tiny_bpe([first["response"], last["response"], " maybe"])
+    cfg = Config(diffusion=DiffusionConfig(key_token_weight=9.0, canvas_size=16, num_canvases=4),
+                 data=DataConfig(task="pubmedqa", prompt_len=64))
+    task = get_task("pubmedqa")
+    fn = task.key_tokens(cfg, tok)
+    for rec, word, which in ((first, " no", 0), (last, " yes", -1)):
+        ids = tok.encode(rec["response"])
+        keys = fn(rec, ids)
+        assert tok.decode(ids[keys[0]:keys[-1] + 1]) == word
+        starts = [i for i in range(len(ids)) if tok.decode(ids[i:i + len(keys)]) == word]
+        assert keys[0] == starts[which] and len(starts) == 2  # the verdict, not the other mention
+    data = SFTData(None, tok, records=[first, last], prompt_len=64, num_canvases=4, canvas_size=16,
+                   **task.key_args(cfg, tok))
+    w = data.batch([0, 1])["canvas_weight"]
+    assert w.shape == (2, 64) and w.dtype == torch.float32
+    for row, rec in enumerate((first, last)):
+        keys = fn(rec, tok.encode(rec["response"]))
+        assert w[row, keys].eq(9.0).all() and int((w[row] != 1.0).sum()) == len(keys)
+    assert "canvas_weight" not in SFTData(None, tok, records=[first], prompt_len=64, num_canvases=4,
+                                          canvas_size=16).batch([0])
+    bad = {**first, "response": "The answer is: unsure."}
+    with pytest.raises(DGemmaError, match="does not contain its verdict 'no'"):
+        fn(bad, tok.encode(bad["response"]))
+    with pytest.raises(DGemmaError, match="task 'sudoku' names no key tokens"):
+        get_task("sudoku").key_args(Config(diffusion=DiffusionConfig(key_token_weight=2.0)), tok)
+    with pytest.raises(ValueError, match="key_token_weight must be positive"):
+        DiffusionConfig(key_token_weight=0.0)

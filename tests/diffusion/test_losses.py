@@ -185,3 +185,49 @@ def test_ar_loss_counts_position_only_when_it_and_successor_are_valid():
         loss_sum.backward()
         touched = hidden.grad.abs().sum(-1) != 0
         assert sorted(map(tuple, touched.nonzero().tolist())) == counted
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64])
+def test_weighted_chunked_matches_full_and_a_per_token_reference(chunk_tokens):
+    hidden, weight, targets, mask = make(50, 97, 12, torch.float64, scale=2.0)
+    w = torch.rand(50, dtype=torch.float64) * 5
+    kw = dict(chunk_tokens=chunk_tokens, softcap=3.0, weights=w)
+    ref = loss_and_grads(full_cross_entropy, hidden, weight, targets, mask, **kw)
+    got = loss_and_grads(chunked_cross_entropy, hidden, weight, targets, mask, **kw)
+    assert got[1].item() == ref[1].item() == mask.sum().item()  # the count is of tokens, not weights
+    for g, r in zip(got[:1] + got[2:], ref[:1] + ref[2:]):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    logits = torch.tanh(hidden.detach() @ weight.detach().T / 3.0) * 3.0
+    per_token = F.cross_entropy(logits[mask], targets[mask], reduction="none")
+    torch.testing.assert_close(got[0], (per_token * w[mask]).sum(), rtol=1e-12, atol=1e-12)
+    ones = loss_and_grads(chunked_cross_entropy, hidden, weight, targets, mask, chunk_tokens=chunk_tokens,
+                          weights=torch.ones(50, dtype=torch.float64))
+    plain = loss_and_grads(chunked_cross_entropy, hidden, weight, targets, mask, chunk_tokens=chunk_tokens)
+    for a, b in zip(ones, plain):
+        assert torch.equal(a, b)
+
+
+def test_weighted_gradcheck_and_bad_weights():
+    hidden, weight, targets, mask = make(9, 13, 5, torch.float64, scale=2.0)
+    w = torch.rand(9, dtype=torch.float64) * 3
+    fn = lambda h, W: chunked_cross_entropy(h, W, targets, mask, chunk_tokens=4, softcap=1.5, weights=w)[0]
+    assert torch.autograd.gradcheck(fn, (hidden, weight))
+    with pytest.raises(DGemmaError, match="weights must be a float tensor of shape"):
+        chunked_cross_entropy(hidden, weight, targets, mask, weights=torch.ones(8))
+    with pytest.raises(DGemmaError, match="weights must be a float tensor"):
+        chunked_cross_entropy(hidden, weight, targets, mask, weights=torch.ones(9, dtype=torch.long))
+
+
+def test_ar_loss_weights_the_target_token():
+    ids = torch.tensor([[10, 11, 12, 13]])
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    hidden = torch.randn(1, 4, 8, dtype=torch.float64)
+    weight = torch.randn(20, 8, dtype=torch.float64)
+    w = torch.tensor([[1.0, 1.0, 4.0, 1.0]], dtype=torch.float64)  # token 12, predicted at position 1
+    nll = [F.cross_entropy(hidden[0, i] @ weight.T, ids[0, i + 1]) for i in range(3)]
+    for impl in ("chunked", "full"):
+        _, loss_sum, count = ar_loss(hidden, weight, ids, valid, weights=w, impl=impl)
+        assert count.item() == 3
+        torch.testing.assert_close(loss_sum, nll[0] + 4 * nll[1] + nll[2], rtol=1e-12, atol=1e-12)
+    with pytest.raises(DGemmaError, match="weights must have shape"):
+        ar_loss(hidden, weight, ids, valid, weights=w[:, :3])

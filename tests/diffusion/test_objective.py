@@ -236,3 +236,32 @@ def test_ar_only_objective_is_the_plain_next_token_loss():
     assert model.model.embed_tokens.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="both 0"):
         objective(ar_loss_weight=0.0, diffusion_loss_weight=0.0)
+
+
+
+@pytest.mark.parametrize("decode", ["one", "all"])
+def test_key_token_weights_scale_their_tokens_in_both_losses(decode):
+    """``canvas_weight`` multiplies each scored token's loss, diffusion and AR alike, and the
+    counts stay token counts. One-hot weights take the sums apart into per-token losses (fp64):
+    they add up to the unweighted sums, and the weighted sums are their weighted totals."""
+    model, b = tiny(), make_batch()
+    obj = objective(decode=decode, ar_loss_weight=1.0, ar_loss_on="response")
+    run = lambda w: obj(model, b if w is None else {**b, "canvas_weight": w},  # noqa: E731
+                        torch.Generator().manual_seed(2))
+    plain = run(None)
+    w = torch.ones(2, N * C, dtype=torch.float64)
+    w[:, 1], w[1, 6] = 7.0, 3.0  # key tokens, as PubMedQA's verdict
+    weighted = run(w)
+    assert weighted.diffusion_count == plain.diffusion_count and weighted.ar_count == plain.ar_count
+    d_parts, a_parts = torch.zeros(2, N * C, dtype=torch.float64), torch.zeros(2, N * C, dtype=torch.float64)
+    for row in range(2):
+        for k in range(N * C):
+            one = torch.zeros_like(w)
+            one[row, k] = 1.0
+            t = run(one)
+            d_parts[row, k], a_parts[row, k] = t.diffusion_sum, t.ar_sum
+    assert (d_parts > 0).any() and (a_parts > 0).all()
+    for parts, total, got in ((d_parts, plain.diffusion_sum, weighted.diffusion_sum),
+                              (a_parts, plain.ar_sum, weighted.ar_sum)):
+        torch.testing.assert_close(parts.sum(), total, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close((parts * w).sum(), got, rtol=1e-10, atol=1e-10)

@@ -176,3 +176,25 @@ def test_cached_load_is_fast_and_skips_transformers(cache_dir):
     print(f"270M cache load: {out[0]} s (including torch import)")
     assert out[1] == "False"
     assert float(out[0]) < 30  # ~3 s on an idle 2-core CPU; a loose guard against reconversion
+
+
+def test_pubmedqa_key_tokens_with_the_real_tokenizer(ours, tmp_path):
+    """On the real prepared training answers the key token is the one verdict token after
+    "The answer is:" (verdict first), " yes" / " no" / " maybe" each one Gemma token."""
+    from pathlib import Path
+
+    from dgemma.data.sft import read_jsonl
+    from dgemma.tasks import get_task, pubmedqa
+    from dgemma.training.config import Config, DiffusionConfig
+
+    source = Path(__file__).resolve().parents[3] / "shared" / "data" / "pubmedqa"
+    if not (source / pubmedqa.ITEMS_FILE).is_file():
+        pytest.skip("PubMedQA files not present")
+    pubmedqa.write_splits(source, tmp_path, "first")
+    path = tmp_path / "train.jsonl"
+    _, tok = ours
+    fn = get_task("pubmedqa").key_tokens(Config(diffusion=DiffusionConfig(key_token_weight=2.0)), tok)
+    prefix = len(tok.encode("The answer is:"))
+    for rec in read_jsonl(path)[:100]:
+        ids = tok.encode(rec["response"])
+        assert fn(rec, ids) == [prefix] and tok.decode(ids[prefix:prefix + 1]) == " " + rec["label"]

@@ -248,7 +248,8 @@ class RowwisePlans:
         cat = lambda name: torch.cat([getattr(r, name) for r in rows])  # noqa: E731
         noisy = TokenInfo(*(torch.cat([getattr(r.noisy, f) for r in rows]) for f in ("positions", "blocks", "noisy",
                                                                                       "valid")))
-        return Plan(chosen=cat("chosen"), t=cat("t"), x0=cat("x0"), xt=cat("xt"), target=cat("target"), noisy=noisy,
+        return Plan(chosen=cat("chosen"), t=cat("t"), x0=cat("x0"), weight=None, xt=cat("xt"), target=cat("target"),
+                    noisy=noisy,
                     selfcond_rows=cat("selfcond_rows"), diffusion_count=sum(r.diffusion_count for r in rows),
                     ar_count=sum(r.ar_count for r in rows))
 
