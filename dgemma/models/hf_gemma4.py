@@ -163,6 +163,9 @@ def diffusiongemma_text_config(cfg: ModelConfig) -> dict:
         "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": cfg.rope_local_theta}, FULL: full},
         "per_layer_config": {str(i): {"head_dim": gdim, "num_key_value_heads": gkv}
                              for i, t in enumerate(cfg.layer_types) if t == FULL},
+        # the same two numbers in the older keys, which transformers drops when per_layer_config is
+        # there but mistral.rs 0.9.5 reads instead of it (its default 512 fits the released model only)
+        "global_head_dim": gdim, "num_global_key_value_heads": gkv,
     }
 
 

@@ -12,6 +12,7 @@ fp32 rounding too.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,6 +231,9 @@ def test_a_model_born_in_dgemma_exports_to_transformers_and_back(tmp_path):
     ours = DiffusionGemma(cfg).eval()
     perturb(ours, 0.3, seed=3)
     out = save_diffusiongemma(ours, None, tmp_path, canvas_length=6)
+    text = json.loads((Path(out) / "config.json").read_text())["text_config"]
+    assert text["per_layer_config"] == {"1": {"head_dim": 16, "num_key_value_heads": 1}}
+    assert (text["global_head_dim"], text["num_global_key_value_heads"]) == (16, 1)  # mistral.rs reads these
     hf, info = DiffusionGemmaForBlockDiffusion.from_pretrained(out, output_loading_info=True,
                                                                attn_implementation="eager",
                                                                experts_implementation="eager")
