@@ -148,6 +148,7 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=81, help="denoising steps")
     parser.add_argument("--step-type", default="commit", help="ddim | commit | confidence | entropy_bound")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=64, help="boards denoised together (a --file's puzzles)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="re-noising rounds for a board that breaks a rule (default: %d)" % _default_rounds())
     parser.add_argument("--no-verify", action="store_true", help="print the model's single answer, valid or not")
@@ -158,6 +159,8 @@ def run(argv: list[str]) -> int:
         raise DGemmaError("--rounds and --no-verify exclude each other (--rounds=0 verifies without re-noising)")
     if args.rounds is not None and args.rounds < 0:
         raise DGemmaError(f"--rounds must be >= 0, got {args.rounds}")
+    if args.batch_size < 1:
+        raise DGemmaError(f"--batch-size must be >= 1, got {args.batch_size}")
     puzzles = read_puzzles(args)
 
     from dgemma.training.runs import load_run
@@ -168,13 +171,15 @@ def run(argv: list[str]) -> int:
     run_ = load_run(args.checkpoint, step=args.step, device="cpu", dtype=args.dtype)
     t1 = time.perf_counter()
     if args.no_verify:
-        results = solve(puzzles, run_, steps=args.steps, step_type=args.step_type, seed=args.seed)
+        results = solve(puzzles, run_, steps=args.steps, step_type=args.step_type, seed=args.seed,
+                        batch_size=args.batch_size)
         _timing(len(puzzles), t1 - t0, time.perf_counter() - t1, "model only")
         return _model_only(results)
     from dgemma.eval.sudoku_verify import solve_run
 
     rounds = _default_rounds() if args.rounds is None else args.rounds
-    solves = solve_run(run_, puzzles, rounds=rounds, num_steps=args.steps, step_type=args.step_type, seed=args.seed)
+    solves = solve_run(run_, puzzles, rounds=rounds, num_steps=args.steps, step_type=args.step_type, seed=args.seed,
+                       batch_size=args.batch_size)
     _timing(len(puzzles), t1 - t0, time.perf_counter() - t1, f"verified, up to {_rounds(rounds)}")
     return _verified(solves, rounds)
 

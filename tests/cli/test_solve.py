@@ -129,10 +129,21 @@ def test_verified_report_keeps_model_only_and_verified_apart(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--rounds", "2", "--no-verify"], "exclude each other"),
     (["--rounds", "-1"], "--rounds must be >= 0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
 ])
 def test_bad_verify_flags(args, message, capsys):
     assert main(["solve", EASY, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_batch_size_does_not_change_the_boards(tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text(f"{EASY}\n{HARD}\n{EASY}\n")
+    outs = []
+    for batch in ("1", "3"):
+        main(["solve", "--file", str(f), "--no-verify", "--batch-size", batch])
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].count("+-------+-------+-------+") == 3 * 4
 
 
 def load_shipped():
