@@ -2,7 +2,9 @@
 with "The answer is:" pinned and the rest of canvas 1 masked (the decoder's first step), and the AUC
 of P(yes) - P(no) for yes-labelled questions against the rest: does the verdict read the question?
 
-    python scripts/pubmedqa_verdict_probe.py WORKDIR STEP [SPLIT]   # SPLIT: train_eval (default) or test
+    python scripts/pubmedqa_verdict_probe.py WORKDIR STEP [SPLIT] [OUT.jsonl]   # SPLIT: train_eval (default) or test
+
+``OUT.jsonl`` (optional) receives one line per question: its id, label and the three probabilities.
 """
 import json, sys, torch
 from dgemma.training.runs import load_run
@@ -11,6 +13,7 @@ from dgemma.eval import harness
 from dgemma.data.sft import encode_prompts
 
 wd, step, split = sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "train_eval"
+out = sys.argv[4] if len(sys.argv) > 4 else None
 run = load_run(wd, step=step, dtype="bfloat16")
 task = get_task("pubmedqa")
 recs = task.load(run.cfg, split)
@@ -39,6 +42,10 @@ for i in range(0, len(recs), 16):
     sampler(run.model, ids, valid, generator=torch.Generator().manual_seed(0), hints=hints)
 P = torch.cat(probs)
 labels = [r["label"] for r in recs]
+if out:
+    with open(out, "w") as f:
+        for r, p in zip(recs, P.tolist()):
+            f.write(json.dumps({"id": r.get("id"), "label": r["label"], "p": dict(zip(("yes", "no", "maybe"), p))}) + "\n")
 y = torch.tensor([l == "yes" for l in labels])
 s = P[:, 0] - P[:, 1]
 pos, neg = s[y], s[~y]
