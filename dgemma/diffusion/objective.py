@@ -203,7 +203,7 @@ class DiffusionObjective:
                                     batch["canvas_valid"].bool()], 1).gather(1, order)
             w = batch.get("canvas_weight")  # key tokens weigh as much as a target as in the diffusion loss
             if w is not None:
-                w = torch.cat([torch.ones_like(prompt_ids, dtype=w.dtype), w], 1)[:, : ids.shape[1]].gather(1, order)
+                w = torch.cat([torch.ones_like(prompt_ids, dtype=w.dtype), w], 1).gather(1, order)
             _, ar_sum, ar_count = ar_loss(h, weight, ids.gather(1, order), clean.valid.gather(1, order),
                                           scored=scored, weights=w, softcap=softcap, chunk_tokens=self.chunk_tokens)
         else:

@@ -209,8 +209,12 @@ def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
 
 
 def build_train_data(cfg: Config, tokenizer):
-    """The task's training set (``dgemma/tasks/base.py:Task.train_data``)."""
-    return get_task(cfg.data.task).train_data(cfg, tokenizer)
+    """The task's training set (``dgemma/tasks/base.py:Task.train_data``). ``Task.key_args`` runs
+    here for every task, so that a key-token weight asked of a task without key tokens is refused
+    even where the task builds its own data (a Sudoku stream, a corpus) and never reads it."""
+    task = get_task(cfg.data.task)
+    task.key_args(cfg, tokenizer)
+    return task.train_data(cfg, tokenizer)
 
 
 # ------------------------------------------------------------------------------- memory

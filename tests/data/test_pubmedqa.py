@@ -201,5 +201,8 @@ def test_key_tokens_are_the_verdict_and_weight_the_batch():
         fn(bad, tok.encode(bad["response"]))
     with pytest.raises(DGemmaError, match="task 'sudoku' names no key tokens"):
         get_task("sudoku").key_args(Config(diffusion=DiffusionConfig(key_token_weight=2.0)), tok)
+    from dgemma.training.trainer import build_train_data
+    with pytest.raises(DGemmaError, match="task 'sudoku' names no key tokens"):  # its stream never reads it
+        build_train_data(Config(diffusion=DiffusionConfig(key_token_weight=2.0)), tok)
     with pytest.raises(ValueError, match="key_token_weight must be positive"):
         DiffusionConfig(key_token_weight=0.0)
