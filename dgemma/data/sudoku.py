@@ -242,21 +242,37 @@ def _shuffled_lines(rnd: random.Random) -> list[int]:
     return lines
 
 
+def _transform(boards: tuple[str, ...], rng) -> tuple[str, ...]:
+    """One random validity-preserving map, drawn once and applied to every board (blanks stay 0)."""
+    rnd = _pyrandom(rng)
+    rows, cols = _shuffled_lines(rnd), _shuffled_lines(rnd)
+    if rnd.random() < 0.5:
+        order = [rows[i] * 9 + cols[j] for j in range(9) for i in range(9)]
+    else:
+        order = [rows[i] * 9 + cols[j] for i in range(9) for j in range(9)]
+    labels = list("123456789")
+    rnd.shuffle(labels)
+    table = str.maketrans("123456789", "".join(labels))
+    return tuple("".join(b[k] for k in order).translate(table) for b in boards)
+
+
 def transform_grid(grid: str, rng) -> str:
     """A random validity-preserving image of a solved grid (docs/design.md §11's cheap transforms).
 
     Digit relabelling, row swaps within bands, column swaps within stacks, band and stack swaps
     and an optional transpose: each maps valid grids to valid grids.
     """
-    rnd = _pyrandom(rng)
-    rows, cols = _shuffled_lines(rnd), _shuffled_lines(rnd)
-    if rnd.random() < 0.5:
-        out = "".join(grid[rows[i] * 9 + cols[j]] for j in range(9) for i in range(9))
-    else:
-        out = "".join(grid[rows[i] * 9 + cols[j]] for i in range(9) for j in range(9))
-    labels = list("123456789")
-    rnd.shuffle(labels)
-    return out.translate(str.maketrans("123456789", "".join(labels)))
+    return _transform((grid,), rng)[0]
+
+
+def transform_puzzle(puzzle: str, solution: str, rng) -> tuple[str, str]:
+    """The same random map as :func:`transform_grid` applied to a puzzle and its solution.
+
+    The maps permute cells within the symmetry group of the rules and relabel digits, so a
+    puzzle with exactly one solution keeps exactly one (the image of the old one) and its clue
+    count: one generated unique puzzle yields up to 9! x 6^8 x 2 distinct ones for free.
+    """
+    return _transform((puzzle, solution), rng)
 
 
 def generate_grids(n: int, *, seed: int = 0, pool: int = 2000) -> list[str]:

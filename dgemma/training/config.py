@@ -93,6 +93,8 @@ class DataConfig:
     split: str = "train"  # chat task from a Hugging Face dataset: the split to train on
     supervise: Literal["last", "all"] = "last"  # chat task: the final assistant turn, or every one
     pin_clues: bool = False  # sudoku: clues pinned in the canvas (infilling), never noised nor scored
+    sudoku_unique: float = 0.0  # sudoku stream: share of puzzles with exactly one solution (tasks/sudoku.py:SudokuStream)
+    sudoku_unique_pool: int = 2000  # sudoku stream: how many unique puzzles to generate (each seen transformed)
     path: str | None = None  # None: the task's default source (generator, shared data set)
     prompt_len: int = 256  # 0 for pretraining (no prompt: the whole window is canvases)
     response_end: Literal["end_of_turn", "eos"] = "end_of_turn"  # the token appended to every response
@@ -103,7 +105,8 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self):
-        _positive(self, "batch_size")
+        _positive(self, "batch_size", "sudoku_unique_pool")
+        _fraction(self, "sudoku_unique")
         if self.prompt_len < 0:
             raise ValueError(f"prompt_len must be >= 0, got {self.prompt_len}")
 
@@ -173,6 +176,7 @@ class EvalConfig:
     stability_threshold: int = 1  # stable_confident stopping: steps the argmax canvas must stay unchanged
     stop_confidence_threshold: float = 0.005  # stable_confident stopping: mean entropy below this (nats)
     stop_alias_cos: float | None = None  # fold tokens whose embedding has this cosine with a stop token's into it
+    logit_bias: dict[str, float] | None = None  # {token text: bias} added to those logits at every step (both decoders)
     num_examples: int = 256
     split: str | None = None  # the evaluators' split (None: the task's default, e.g. test)
     seed: int = 0

@@ -214,6 +214,9 @@ def build_train_data(cfg: Config, tokenizer):
     even where the task builds its own data (a Sudoku stream, a corpus) and never reads it."""
     task = get_task(cfg.data.task)
     task.key_args(cfg, tokenizer)
+    if cfg.data.sudoku_unique and (cfg.data.task != "sudoku" or cfg.data.path):
+        raise DGemmaError(f"data.sudoku_unique={cfg.data.sudoku_unique} is for the sudoku task's generated stream "
+                          f"(no data.path); this run has task {cfg.data.task!r}, data.path={cfg.data.path!r}")
     return task.train_data(cfg, tokenizer)
 
 

@@ -61,6 +61,21 @@ def test_random_grids_and_transforms():
     assert S.generate_grids(300, seed=1, pool=20) == grids
 
 
+def test_transform_puzzle_keeps_uniqueness_and_clues():
+    recs = S.generate_puzzles(6, seed=11, clues=(24, 30))
+    rnd = random.Random(1)
+    for r in recs:
+        images = {S.transform_puzzle(r["puzzle"], r["solution"], rnd) for _ in range(20)}
+        assert len(images) == 20  # distinct images
+        for puzzle, solution in images:
+            assert S.is_valid_grid(solution) and S.count_clues(puzzle) == r["clues"]
+            assert all(c in ("0", s) for c, s in zip(puzzle, solution))  # the clues agree with the solution
+            assert S.count_solutions(puzzle) == 1 and S.solve(puzzle) == solution
+    # one map for both boards: the transformed grid is the transform of the grid under the same draws
+    g = recs[0]["solution"]
+    assert S.transform_puzzle(g, g, random.Random(5)) == (S.transform_grid(g, random.Random(5)),) * 2
+
+
 def test_make_puzzle_unique_and_closest():
     grid = S.random_grid(5)
     p = S.make_puzzle(grid, 35, np.random.default_rng(0))

@@ -185,6 +185,56 @@ def test_generated_sudoku_eval_set_is_held_out():
     assert not pool & {r["solution"] for r in recs}
 
 
+def test_sudoku_stream_unique_share():
+    """A share of unique puzzles: those records have one solution (their clues' count in the pool's
+    range), the rest are the random blanks of the plain stream; the pool comes from its own seed
+    (not the eval puzzles'); a share of 0 leaves the plain stream's records as they were."""
+    from dgemma.data.char_tokenizer import CharTokenizer
+    from dgemma.data.sudoku import count_clues, count_solutions
+    from dgemma.tasks.sudoku import SudokuStream
+
+    kw = {"prompt_len": 82, "num_canvases": 1, "canvas_size": 81}
+    tok = CharTokenizer.named("digits")
+    plain = SudokuStream(tok, **kw)
+    assert [plain.record(i) for i in range(5)] == [SudokuStream(tok, **kw, unique_share=0.0).record(i)
+                                                   for i in range(5)]
+    mixed = SudokuStream(tok, **kw, unique_share=0.5, unique_pool=30)
+    assert mixed.unique == SudokuStream(tok, **kw, unique_share=0.5, unique_pool=30).unique  # seeded
+    assert all(count_solutions(p) == 1 and 22 <= count_clues(p) <= 35 for p, _ in mixed.unique)
+    eval_recs = generate_eval_puzzles(30, seed=SUDOKU_EVAL_SEED)
+    assert not {s for _, s in mixed.unique} & {r["solution"] for r in eval_recs}
+    recs = [mixed.record(i) for i in range(60)]
+    assert recs == [mixed.record(i) for i in range(60)]
+    unique = [r for r in recs if count_solutions(r["puzzle"]) == 1 and 22 <= count_clues(r["puzzle"]) <= 35]
+    assert 15 <= len(unique) <= 50
+    assert all(c in ("0", s) for r in recs for c, s in zip(r["puzzle"], r["solution"]))
+    all_unique = SudokuStream(tok, **kw, unique_share=1.0, unique_pool=5)
+    assert all(count_solutions(all_unique.record(i)["puzzle"]) == 1 for i in range(10))
+    with pytest.raises(DGemmaError, match="share of unique puzzles"):
+        SudokuStream(tok, **kw, unique_share=1.5)
+
+
+def test_sudoku_unique_refused_where_it_cannot_apply(tmp_path):
+    from dgemma.data.char_tokenizer import CharTokenizer
+    from dgemma.training.config import Config
+    from dgemma.training.trainer import build_train_data
+
+    tok = CharTokenizer.named("digits")
+    cfg = apply_overrides(Config(), ["--cfg.data.task=pubmedqa", "--cfg.data.sudoku_unique=0.5"])
+    with pytest.raises(DGemmaError, match="sudoku_unique=0.5 is for the sudoku task"):
+        build_train_data(cfg, tok)
+    cfg = apply_overrides(Config(), [f"--cfg.data.path={tmp_path}", "--cfg.data.sudoku_unique=0.5"])
+    with pytest.raises(DGemmaError, match="generated stream"):
+        build_train_data(cfg, tok)
+    with pytest.raises(DGemmaError, match="sudoku_unique must be in"):
+        apply_overrides(Config(), ["--cfg.data.sudoku_unique=2"])
+    cfg = apply_overrides(Config(), ["--cfg.data.sudoku_unique=0.25", "--cfg.data.sudoku_unique_pool=4",
+                                     "--cfg.data.prompt_len=82", "--cfg.diffusion.canvas_size=81",
+                                     "--cfg.diffusion.num_canvases=1"])
+    data = build_train_data(cfg, tok)
+    assert data.unique_share == 0.25 and len(data.unique) == 4
+
+
 def test_task_loading_from_prepared_dir(tmp_path):
     from dgemma.tasks.sudoku import write_splits
     from dgemma.training.config import Config
