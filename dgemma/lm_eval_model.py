@@ -71,7 +71,7 @@ from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.pretrained import load_pretrained
 from dgemma.models.selfcond import expected_embedding
-from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases
+from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases, resolve_logit_bias
 from dgemma.tasks.sudoku import puzzle_hint
 from dgemma.training.runs import load_run
 from dgemma.training.trainer import derive_seed
@@ -123,6 +123,7 @@ class DGemmaLM(TemplateLM):
             defaults = {"steps": e.steps[0], "step_type": e.step_type, "temperature": e.temperature,
                         "early_stopping": e.early_stopping}
             self.entropy_threshold = e.entropy_threshold
+            self.logit_bias = resolve_logit_bias(e.logit_bias, r.tokenizer)  # generation only, not the ELBO
             self.pin_clues = bool(r.cfg.data.pin_clues) if pin_clues is None else bool(pin_clues)
             if self.pin_clues and r.cfg.data.task != "sudoku":
                 raise DGemmaError(f"pin_clues is for Sudoku runs; this run's task is {r.cfg.data.task!r}")
@@ -135,6 +136,7 @@ class DGemmaLM(TemplateLM):
             self.canvas_size, default_canvases, self.t_eps = int(canvas_size), 4, 1e-3
             defaults = {"steps": 32, "step_type": "confidence", "temperature": 0.0, "early_stopping": None}
             self.entropy_threshold = 0.05
+            self.logit_bias = {}
             self.pin_clues = bool(pin_clues)
             if self.pin_clues:
                 raise DGemmaError("pin_clues is for Sudoku runs (run=DIR), not a pretrained model")
@@ -226,7 +228,7 @@ class DGemmaLM(TemplateLM):
     def _settings_for(self, temperature: float, top_p: float, canvases: int):
         return SamplerConfig(num_steps=self.steps, step_type=self.step_type, temperature=temperature,
                              early_stopping=self.early_stopping or "none", entropy_threshold=self.entropy_threshold,
-                             max_canvases=canvases, top_p=top_p,
+                             max_canvases=canvases, top_p=top_p, logit_bias=self.logit_bias,
                              confidence_threshold=None if self.threshold is None else float(self.threshold))
 
     def _settings(self, gen_kwargs: dict) -> tuple[tuple[str, ...], int, float, float]:

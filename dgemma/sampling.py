@@ -20,7 +20,7 @@ import torch
 from dgemma.data.sft import encode_prompts
 from dgemma.device import default_device, resolve_dtype
 from dgemma.diffusion.corruption import UniformNoise
-from dgemma.diffusion.sampler import CanvasSampler
+from dgemma.diffusion.sampler import CanvasSampler, check_logit_bias
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
 from dgemma.diffusion.stopping import STOPPING
@@ -51,6 +51,7 @@ class SamplerConfig:
     stop_confidence_threshold: float | None = None  # stable_confident stopping: entropy bound (default 0.005)
     top_p: float | None = None  # nucleus filtering of the step's distribution (1 = off)
     stop_alias_cos: float | None = None  # stop tokens absorb the tokens this close to their embedding
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit at every step ({} = none)
 
     def merged(self, defaults: "SamplerConfig") -> "SamplerConfig":
         """This config with every ``None`` field taken from ``defaults``."""
@@ -74,16 +75,36 @@ def max_canvases(cfg) -> int:
 
 
 def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
-                  early_stopping: str | None) -> SamplerConfig:
+                  early_stopping: str | None, tokenizer=None) -> SamplerConfig:
     """A run's sampler settings: ``eval_ds`` and the canvas count of ``cfg``, with the step count,
-    step rule, temperature and stopping rule of one evaluator."""
+    step rule, temperature and stopping rule of one evaluator. ``tokenizer`` resolves
+    ``eval_ds.logit_bias`` (:func:`resolve_logit_bias`); a run that sets one needs it."""
     e = cfg.eval_ds
     return SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature,
                          early_stopping=early_stopping or "none", entropy_threshold=e.entropy_threshold,
                          max_canvases=max_canvases(cfg), min_stop_prob=e.min_stop_prob,
                          confidence_threshold=e.confidence_threshold, commit_block=e.commit_block,
                          entropy_bound=e.entropy_bound, stability_threshold=e.stability_threshold,
-                         stop_confidence_threshold=e.stop_confidence_threshold, stop_alias_cos=e.stop_alias_cos)
+                         stop_confidence_threshold=e.stop_confidence_threshold, stop_alias_cos=e.stop_alias_cos,
+                         logit_bias=resolve_logit_bias(e.logit_bias, tokenizer))
+
+
+def resolve_logit_bias(bias: dict[str, float] | None, tokenizer) -> dict[int, float]:
+    """``eval_ds.logit_bias`` (keyed by a token's text, e.g. ``{" no": 1.5}``) keyed by token id.
+    Each key must be exactly one token of ``tokenizer``: a bias on a word that splits into
+    several pieces would shift each piece everywhere it occurs, which is not what was fitted."""
+    if not bias:
+        return {}
+    if tokenizer is None:
+        raise DGemmaError("eval_ds.logit_bias names tokens by their text: resolving it needs the run's tokenizer")
+    out = {}
+    for text, v in bias.items():
+        ids = tokenizer.encode(text)
+        if len(ids) != 1:
+            raise DGemmaError(f"eval_ds.logit_bias: {text!r} is {len(ids)} tokens {ids}, not one; "
+                              f"bias single tokens (mind the leading space, e.g. ' no')")
+        out[ids[0]] = float(v)
+    return out
 
 
 RULE_DEFAULTS = SamplerConfig(entropy_threshold=0.05, min_stop_prob=0.0, confidence_threshold=0.9, entropy_bound=0.1,
@@ -124,6 +145,7 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
 
     step, stop = build_rules(cfg, noise)
     cfg = cfg.resolved()
+    check_logit_bias(cfg.logit_bias, getattr(noise, "vocab_size", None))
     parts = {"noise": noise, "step": step, "on_step": on_step}
     if generators is not None:
         parts = RowSeeded(noise, step, generators, num_steps=cfg.num_steps, stop_ids=stop_ids,
@@ -131,7 +153,7 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
     return CanvasSampler(**parts, num_steps=cfg.num_steps, canvas_size=canvas_size,
                          max_canvases=cfg.max_canvases, stop=stop, stop_ids=stop_ids,
                          min_stop_prob=cfg.min_stop_prob, stop_alias_cos=cfg.stop_alias_cos,
-                         temperature=signal_temperature(cfg), **engine)
+                         logit_bias=dict(cfg.logit_bias or {}), temperature=signal_temperature(cfg), **engine)
 
 
 def signal_temperature(cfg: SamplerConfig) -> float:
@@ -224,7 +246,7 @@ def load_model(source: str | Path, *, pretrained: bool = False, dtype: str = "au
         run = load_run(source, dtype=dtype, device=device)
         e = run.cfg.eval_ds
         defaults = eval_settings(run.cfg, num_steps=e.steps[0], step_type=e.step_type, temperature=e.temperature,
-                                 early_stopping=e.early_stopping)
+                                 early_stopping=e.early_stopping, tokenizer=run.tokenizer)
         return Model(run.model, run.tokenizer, run.noise(), run.cfg.diffusion.canvas_size, run.cfg.data.prompt_len,
                      defaults, trained=True, source=str(source))
     model, tokenizer = load_pretrained(str(source))

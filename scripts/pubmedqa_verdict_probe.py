@@ -1,8 +1,12 @@
 """Diagnostic: P(yes/no/maybe) at the verdict position of a verdict-first PubMedQA diffusion adapter,
 with "The answer is:" pinned and the rest of canvas 1 masked (the decoder's first step), and the AUC
 of P(yes) - P(no) for yes-labelled questions against the rest: does the verdict read the question?
+For an AR fine-tune (no diffusion loss), the next-token probabilities after the prompt and
+"The answer is:", the position its greedy decoder writes the verdict at.
 
-    python scripts/pubmedqa_verdict_probe.py WORKDIR STEP [SPLIT] [OUT.jsonl]   # SPLIT: train_eval (default) or test
+    python scripts/pubmedqa_verdict_probe.py WORKDIR STEP [SPLIT] [OUT.jsonl]   # SPLIT: train_eval (default), test or train
+
+``train`` reads the run's training file (``<data.path>/train.jsonl``), e.g. to fit a decision rule.
 
 ``OUT.jsonl`` (optional) receives one line per question: its id, label and the three probabilities.
 """
@@ -16,7 +20,12 @@ wd, step, split = sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 
 out = sys.argv[4] if len(sys.argv) > 4 else None
 run = load_run(wd, step=step, dtype="bfloat16")
 task = get_task("pubmedqa")
-recs = task.load(run.cfg, split)
+if split == "train":
+    from pathlib import Path
+    from dgemma.data.sft import read_jsonl
+    recs = read_jsonl(Path(run.cfg.data.path) / "train.jsonl")
+else:
+    recs = task.load(run.cfg, split)
 tok = run.tokenizer
 prefix = tok.encode("The answer is:")
 cand = {w: tok.encode(" " + w)[0] for w in ("yes", "no", "maybe")}
@@ -33,11 +42,23 @@ class Tap:
         return s.inner(state, logits, t, u, **kw)
 sampler.step = Tap(sampler.step)
 C = sampler.canvas_size
-if not run.cfg.diffusion.diffusion_loss_weight:
-    raise SystemExit("a diffusion run is needed (this reads the decoder's first step)")
+ar = not run.cfg.diffusion.diffusion_loss_weight  # an AR fine-tune: the next-token head after the prefix
+from dgemma.models.masks import TokenInfo
 for i in range(0, len(recs), 16):
     b = recs[i:i+16]
     ids, valid, _ = encode_prompts(tok, b, run.cfg.data.prompt_len)
+    if ar:  # the prompt, then "The answer is:" where the answer starts; read the next token
+        n = valid.long().sum(-1)
+        ids = torch.cat([ids, torch.zeros(len(b), len(prefix), dtype=ids.dtype)], 1)
+        valid = torch.cat([valid.bool(), torch.zeros(len(b), len(prefix), dtype=torch.bool)], 1)
+        for r in range(len(b)):
+            ids[r, n[r]:n[r] + len(prefix)] = torch.tensor(prefix)
+            valid[r, n[r]:n[r] + len(prefix)] = True
+        with torch.no_grad():
+            h = run.model(ids, info=TokenInfo.clean(valid), return_hidden=True)
+            p = torch.softmax(run.model.logits(h[torch.arange(len(b)), n + len(prefix) - 1]).float(), -1)
+        probs.append(torch.stack([p[:, cand[w]] for w in ("yes", "no", "maybe")], -1))
+        continue
     hints = torch.full((len(b), C), -1, dtype=torch.long); hints[:, :len(prefix)] = torch.tensor(prefix)
     sampler(run.model, ids, valid, generator=torch.Generator().manual_seed(0), hints=hints)
 P = torch.cat(probs)

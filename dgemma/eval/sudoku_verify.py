@@ -371,7 +371,7 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
 def run_sampler(run, *, num_steps: int = 81, step_type: str = "commit", temperature: float = 0.0):
     """The sampler ``dgemma solve`` uses for a run: its eval settings, greedy, no early stopping."""
     settings = eval_settings(run.cfg, num_steps=num_steps, step_type=step_type, temperature=temperature,
-                             early_stopping=None)
+                             early_stopping=None, tokenizer=run.tokenizer)
     return build_sampler(settings, noise=run.noise(), canvas_size=run.cfg.diffusion.canvas_size,
                          stop_ids=get_task("sudoku").stop_ids(run.tokenizer))
 

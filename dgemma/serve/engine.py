@@ -43,7 +43,7 @@ from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import round_steps, solve_verified
 from dgemma.eval.visualize import Frame, sudoku_cells, token_piece
 from dgemma.models.pretrained import load_pretrained
-from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases
+from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases, resolve_logit_bias
 from dgemma.tasks import get_task, response_stop_ids
 from dgemma.tasks.sudoku import extract_digits
 from dgemma.training.config import load_config
@@ -599,12 +599,15 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
     sampler = SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature, early_stopping=rule,
                             entropy_threshold=info.entropy_threshold, max_canvases=n_canvas,
                             confidence_threshold=threshold,
-                            stop_alias_cos=info.cfg.eval_ds.stop_alias_cos if info.cfg is not None else None)
+                            stop_alias_cos=info.cfg.eval_ds.stop_alias_cos if info.cfg is not None else None,
+                            logit_bias=resolve_logit_bias(info.cfg.eval_ds.logit_bias, engine.tokenizer)
+                            if info.cfg is not None else {})
     build_rules(sampler, engine.noise)  # bad settings fail here, before a job starts
     seed = random.randrange(2**31) if req.seed is None else req.seed
     settings = {"step_type": step_type, "num_steps": num_steps, "temperature": temperature, "early_stopping": rule,
                 "threshold": threshold, "max_canvases": n_canvas, "canvas_size": info.canvas_size,
-                "seed": seed, "delay_ms": req.delay_ms, "prompt_tokens": len(prompt_ids)}
+                "seed": seed, "delay_ms": req.delay_ms, "prompt_tokens": len(prompt_ids),
+                "logit_bias": info.cfg.eval_ds.logit_bias if info.cfg is not None else None}
     return Plan(settings, prompt_ids, sampler, n_canvas, seed, req.delay_ms / 1000)
 
 

@@ -17,8 +17,9 @@ random one, reported in the response's ``dgemma.seed``). Diffusion settings are 
 fields (``extra_body`` in the openai client): ``steps``, ``step_type``, ``early_stopping`` and
 ``threshold``; unset ones take the model's defaults, as in the playground. Anything a
 diffusion sampler cannot do (``logprobs``, ``echo``, ``best_of``, ``suffix``, penalties,
-``logit_bias``, tools, a JSON ``response_format``) is refused with a 400 that names the
-parameter; an unknown parameter too.
+tools, a JSON ``response_format``) is refused with a 400 that names the parameter; an unknown
+parameter too. ``logit_bias`` (token id -> bias in [-100, 100]) is added to those logits at
+every denoising step, on top of the model's own bias (a run's ``eval_ds.logit_bias``).
 
 Streaming (``stream: true``) is Server-Sent Events in OpenAI's chunk format: ``data: {json}``
 lines and a last ``data: [DONE]``. A diffusion sampler commits a whole canvas at once, not a
@@ -43,6 +44,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from dgemma.diffusion.sampler import check_logit_bias
 from dgemma.diffusion.wrappers import emitted_canvases
 from dgemma.errors import DGemmaError
 from dgemma.serve.engine import (Cancelled, Engine, Plan, SampleParams, ServeError, _validation_message, load_engine,
@@ -139,8 +142,6 @@ def refuse_unsupported(req: _Sampling) -> None:
     if req.presence_penalty or req.frequency_penalty:
         raise _refuse("presence_penalty" if req.presence_penalty else "frequency_penalty",
                       "the denoising steps have no penalty hooks")
-    if req.logit_bias:
-        raise _refuse("logit_bias", "the denoising steps take no logit bias")
     if req.stream_options is not None and not req.stream:
         raise ServeError("stream_options is only allowed when stream is true", 400, param="stream_options")
     if isinstance(req, CompletionRequest):
@@ -327,8 +328,32 @@ def build_plan(engine: Engine, req: _Sampling, prompt_ids: list[int], limits, *,
         raise ServeError("top_p is not available with the entropy_bound step (it measures the entropy of the full "
                          "distribution); use step_type commit, confidence or ddim, or leave top_p at 1", 400,
                          param="top_p")
+    if req.logit_bias:
+        bias = request_logit_bias(req.logit_bias, engine.model.config.vocab_size)
+        plan.sampler = replace(plan.sampler, logit_bias={**(plan.sampler.logit_bias or {}), **bias})
+        plan.settings["request_logit_bias"] = {str(k): v for k, v in bias.items()}
     plan.settings.update(top_p=plan.top_p, n=req.n, max_tokens=max_tokens)
     return plan, max_tokens
+
+
+def request_logit_bias(raw: dict, vocab_size: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (JSON keys, so strings) to a bias in [-100, 100], added
+    to those logits at every denoising step and on top of the model's own (``eval_ds.logit_bias``)."""
+    out = {}
+    for k, v in raw.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise ServeError(f"logit_bias keys must be token ids, got {k!r}", 400, param="logit_bias") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ServeError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}", 400,
+                             param="logit_bias")
+        out[tid] = float(v)
+    try:
+        check_logit_bias(out, vocab_size)
+    except DGemmaError as e:
+        raise ServeError(str(e), 400, param="logit_bias") from None
+    return out
 
 
 def _stops(stop) -> list[str]:

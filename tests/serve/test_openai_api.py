@@ -138,6 +138,27 @@ def test_sudoku_completion_keeps_the_pinned_clues(client):
     assert all(text[i] == ch for i, ch in enumerate(puzzle) if ch != "0" and i < len(text))
 
 
+def test_logit_bias_steers_every_position(client, tokenizer):
+    """OpenAI's ``logit_bias``: +100 on one token makes it the argmax everywhere, so a greedy
+    completion is that token repeated (the tiny model is untrained: nothing else would do it); an
+    empty bias changes nothing; bad keys and values are 400s that name it. (-100 and the exact
+    additive shift: tests/diffusion/test_logit_bias.py.)"""
+    greedy = {"temperature": 0.0, "extra_body": {"steps": 4, "step_type": "confidence"}}
+    tid = tokenizer.encode(" the")[0]
+    r = complete(client, max_tokens=32, logit_bias={str(tid): 100}, **greedy)
+    ids = tokenizer.encode(r.choices[0].text)
+    assert r.choices[0].text == tokenizer.decode([tid] * 32) and r.usage.completion_tokens == 32, ids
+    assert r.dgemma["request_logit_bias"] == {str(tid): 100.0}
+    plain = complete(client, max_tokens=32, **greedy)
+    assert plain.choices[0].text != r.choices[0].text
+    assert complete(client, max_tokens=32, logit_bias={}, **greedy).choices == plain.choices  # empty: no change
+    for bias, message in (({"x": 1}, "keys must be token ids"), ({"5": 101}, "number in [-100, 100]"),
+                          ({"99999999": 1}, "not in the vocabulary"), ({"5": "a"}, "must be numbers")):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(client, logit_bias=bias)
+        assert e.value.param == "logit_bias" and message in e.value.message, (bias, e.value.message)
+
+
 # ------------------------------------------------------------------------------------- chat
 def test_chat_uses_the_chat_template(client, tokenizer):
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "hello world"}]
