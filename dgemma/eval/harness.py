@@ -38,7 +38,7 @@ from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import evaluate_verified
 from dgemma.eval.visualize import visualize_example
-from dgemma.sampling import build_sampler as build, eval_settings, max_canvases
+from dgemma.sampling import build_sampler as build, eval_settings, max_canvases, resolve_logit_bias
 from dgemma.tasks import get_task
 
 EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?sample_ar_steps(?P<steps>\d+)(?P<es>_early_stopping)?$")
@@ -116,7 +116,7 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
     cfg = run.cfg
     noise = run.noise()
     sampler = build(eval_settings(cfg, num_steps=num_steps, step_type=step_type, temperature=temperature,
-                                  early_stopping=early_stopping),
+                                  early_stopping=early_stopping, tokenizer=run.tokenizer),
                     noise=noise, canvas_size=cfg.diffusion.canvas_size, stop_ids=task.stop_ids(run.tokenizer))
     step, stop, rule = sampler.step, sampler.stop, early_stopping or "none"
     settings = {
@@ -125,6 +125,7 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
         "canvas_size": sampler.canvas_size, "max_canvases": sampler.max_canvases, "stop_ids": list(sampler.stop_ids),
         "noise": cfg.diffusion.process, "schedule": cfg.diffusion.schedule, "pin_clues": cfg.data.pin_clues,
         "min_stop_prob": sampler.min_stop_prob, "stop_alias_cos": sampler.stop_alias_cos,
+        "logit_bias": cfg.eval_ds.logit_bias, "weights": getattr(run, "weights", "raw"),
     }
     return sampler, settings
 
@@ -224,11 +225,12 @@ def generate_ar(run, task, records: list[dict], *, batch_size: int, max_new_toke
     """Greedy AR decoding of every batch through the KV cache, stopping at the task's stop tokens
     (and their aliases, ``eval_ds.stop_alias_cos``): :func:`generate`'s counterpart for an AR model."""
     dev = _device(run.model)
+    bias = resolve_logit_bias(run.cfg.eval_ds.logit_bias, run.tokenizer)
     out = Generation([], [], [], [])
     for batch in batches(records, batch_size, max_batches):
         ids, valid, truncated = encode_prompts(run.tokenizer, batch, run.cfg.data.prompt_len, device=dev)
         res = ar_generate(run.model, ids, valid, max_new_tokens=max_new_tokens, stop_ids=task.stop_ids(run.tokenizer),
-                          stop_alias_cos=run.cfg.eval_ds.stop_alias_cos)
+                          stop_alias_cos=run.cfg.eval_ds.stop_alias_cos, logit_bias=bias)
         out.records += batch
         out.tokens += res.tokens
         out.forward_passes += res.forward_passes
@@ -334,7 +336,8 @@ def evaluate_ar(run, task, *, eval_name: str, split: str | None = None, records:
     settings = {"decoder": "ar_greedy", "max_new_tokens": max_new, "stop_ids": list(task.stop_ids(run.tokenizer)),
                 "batch_size": e.batch_size, "num_batches": cfg.aux.eval_num_batches, "prompt_len": cfg.data.prompt_len,
                 "device": str(dev), "dtype": _dtype(run.model), "threads": torch.get_num_threads(),
-                "stop_alias_cos": cfg.eval_ds.stop_alias_cos, "compiled": _compiled(run.model)}
+                "stop_alias_cos": cfg.eval_ds.stop_alias_cos, "logit_bias": cfg.eval_ds.logit_bias,
+                "weights": getattr(run, "weights", "raw"), "compiled": _compiled(run.model)}
     result = {"eval_name": eval_name, "task": task.name, "split": split, "source": task.source(cfg, split),
               "checkpoint_step": run.step, "num_examples": len(gen.records), "metrics": metrics, "stats": stats,
               "settings": settings}

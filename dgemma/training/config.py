@@ -144,10 +144,13 @@ class TrainConfig:
     distributed: Literal["ddp", "fsdp"] = "ddp"
     nan_rollback_after: int = 5  # consecutive non-finite steps before rolling back
     threads: int | None = None  # torch CPU threads; None = torch's default. Bits depend on it.
+    ema: float | None = None  # decay of a moving average of the trained weights, evaluated instead of them (training/ema.py)
 
     def __post_init__(self):
         _positive(self, "steps", "grad_accum", "checkpoint_every", "keep_last", "log_every", "eval_every",
                   "nan_rollback_after", "threads")
+        if self.ema is not None and not 0.0 < self.ema < 1.0:
+            raise ValueError(f"ema must be a decay in (0, 1), e.g. 0.998, or None; got {self.ema}")
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,7 @@ from dgemma.device import resolve_dtype
 from dgemma.errors import DGemmaError
 from dgemma.training import checkpoint as ckpt
 from dgemma.training.config import Config, apply_overrides, load_config
+from dgemma.training.ema import load_averaged
 from dgemma.training.trainer import build_model, build_noise_for
 
 
@@ -26,6 +27,7 @@ class Run:
     tokenizer: object
     step: int
     path: Path  # the checkpoint directory
+    weights: str = "raw"  # "average" (train.ema's moving average) or "raw"
 
     def noise(self):
         return build_noise_for(self.cfg, self.model, self.tokenizer)
@@ -47,8 +49,12 @@ def find_checkpoint(workdir: str | Path, step: int | None = None) -> Path:
 
 
 def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[str] | None = None,
-             device: str | torch.device | None = None, dtype: str = "float32") -> Run:
+             device: str | torch.device | None = None, dtype: str = "float32", weights: str = "average") -> Run:
     """The run's model at ``step`` (latest complete if None), in eval mode.
+
+    ``weights``: ``average`` (default) loads the moving average of a run trained with
+    ``train.ema`` (``dgemma/training/ema.py``), the raw weights of any other; ``raw`` always the
+    optimiser's own weights. ``Run.weights`` says which were loaded.
 
     ``overrides`` (``--cfg.a.b=v``) apply to the saved config, e.g. a different attention
     back-end or eval settings; architecture changes are refused by the checkpoint check.
@@ -73,8 +79,14 @@ def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[st
         raise DGemmaError(f"{path} holds weights this model does not have: {unexpected[:5]}")
     if not cfg.lora.enabled and missing:
         raise DGemmaError(f"{path} lacks weights for {missing[:5]}")
+    if weights not in ("average", "raw"):
+        raise DGemmaError(f"weights must be 'average' or 'raw', got {weights!r}")
+    loaded = "raw"
+    if weights == "average" and "ema" in state["extra"]:
+        load_averaged(model, state["extra"]["ema"])
+        loaded = "average"
     device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto" and cfg.train.dtype == "float32":
         dtype = "float32"
     model = model.to(device=device, dtype=resolve_dtype(dtype, device))
-    return Run(cfg, model.eval(), tokenizer, state["step"], path)
+    return Run(cfg, model.eval(), tokenizer, state["step"], path, loaded)

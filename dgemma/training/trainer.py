@@ -38,6 +38,7 @@ from dgemma.models.transformer import DiffusionGemma
 from dgemma.tasks import get_task
 from dgemma.training import checkpoint as ckpt
 from dgemma.training.config import Config, config_to_dict, model_overrides, save_config
+from dgemma.training.ema import WeightEMA
 from dgemma.training.lora import apply_lora, is_adapter_param
 
 
@@ -351,6 +352,12 @@ class Trainer:
         if not trainable:
             raise DGemmaError("nothing to train: every parameter is frozen")
         self.optimizer = build_optimizer(trainable, cfg.optim)
+        self.ema = None
+        if cfg.train.ema is not None:
+            if self.world > 1 and cfg.train.distributed == "fsdp":
+                raise DGemmaError("train.ema keeps a full copy of the trained weights on every rank: use it with "
+                                  "DDP or one process, not FSDP")
+            self.ema = WeightEMA(self.model, cfg.train.ema)
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup=o.warmup_steps, total=cfg.train.steps,
@@ -410,6 +417,8 @@ class Trainer:
         extra = {"scheduler": self.scheduler.state_dict(), "order": self.order.state_dict(),
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                  "nan_streak": self.nan_streak}
+        if self.ema is not None:
+            extra["ema"] = self.ema.state_dict()
         meta = {"config": config_to_dict(self.cfg), "threads": torch.get_num_threads(), "world": self.world,
                 "lora": self.cfg.lora.enabled}
         # the fingerprint is the model actually built: a pretrained base brings its own architecture
@@ -433,9 +442,16 @@ class Trainer:
                                  options=StateDictOptions(full_state_dict=True))
         for group in self.optimizer.param_groups:  # the round trip turns tuples (betas) into lists
             group.update({k: tuple(v) for k, v in group.items() if isinstance(v, list) and k != "params"})
+        extra = state["extra"]
+        if self.ema is not None:
+            if "ema" in extra:
+                self.ema.load_state_dict(extra["ema"])
+            else:
+                self.ema = WeightEMA(self.model, self.cfg.train.ema)
+                self.say(f"{path.name} holds no weight average: the average (train.ema={self.cfg.train.ema}) "
+                         f"starts from its weights")
         if weights_only:
             return
-        extra = state["extra"]
         self.scheduler.load_state_dict(extra["scheduler"])
         self.order.load_state_dict(extra["order"])
         torch.set_rng_state(extra["rng"]["torch"])
@@ -479,6 +495,8 @@ class Trainer:
                              rank=self.rank, world=self.world, clip_norm=cfg.optim.clip_norm,
                              ar_weight=cfg.diffusion.ar_loss_weight, objective=self.objective,
                              autocast=self.autocast, diffusion_weight=cfg.diffusion.diffusion_loss_weight)
+            if self.ema is not None and out["finite"]:  # a skipped update leaves the average alone too
+                self.ema.update()
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.step += 1
@@ -500,8 +518,9 @@ class Trainer:
                 self.save()
             if self.hooks and self.rank == 0 and ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
                                or self.step == cfg.train.steps):
-                for hook in self.hooks:
-                    self.log.scalars(self.step, hook(self, self.step), prefix="eval")
+                with self.ema.applied() if self.ema is not None else nullcontext():  # evaluate what is saved for it
+                    for hook in self.hooks:
+                        self.log.scalars(self.step, hook(self, self.step), prefix="eval")
             last = out
         bar.close()
         self.log.close()
