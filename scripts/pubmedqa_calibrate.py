@@ -5,7 +5,7 @@ A verdict-first adapter that answers "yes" to every question can still rank the 
 (checkpoints/pubmedqa_270m/README.md: AUC 0.61); its argmax is stuck on the class prior. Adding
 b_no, b_maybe to those two logits moves the decision threshold, nothing else; the pair is chosen
 on data the test set never sees (the training questions), by grid search (steps of 0.05 in
-[-2, 8]; ties: higher macro-F1, then the smaller shift).
+[-8, 8]; ties: higher macro-F1, then the smaller shift).
 
     python scripts/pubmedqa_verdict_probe.py RUN STEP train runs/calib/train.jsonl   # P(verdict) per question
     python scripts/pubmedqa_verdict_probe.py RUN STEP test runs/calib/test.jsonl
@@ -43,7 +43,7 @@ def scores(rows, bias):
             "macro_f1": sum(f1) / 3, "pred": {c: pred.count(c) for c in CLASSES}}
 
 
-def fit(rows, lo=-2.0, hi=8.0, step=0.05):
+def fit(rows, lo=-8.0, hi=8.0, step=0.05):
     grid = [round(lo + i * step, 4) for i in range(int(round((hi - lo) / step)) + 1)]
     best = None
     for b_no in grid:
