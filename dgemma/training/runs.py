@@ -63,6 +63,8 @@ def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[st
     own training precision: fp32 for a run trained with ``train.dtype="float32"``, else bf16 where
     the device has native bf16 units.
     """
+    if weights not in ("average", "raw"):
+        raise DGemmaError(f"weights must be 'average' or 'raw', got {weights!r}")
     workdir = Path(workdir)
     cfg_path = workdir / "config.json"
     if not cfg_path.is_file():
@@ -79,8 +81,6 @@ def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[st
         raise DGemmaError(f"{path} holds weights this model does not have: {unexpected[:5]}")
     if not cfg.lora.enabled and missing:
         raise DGemmaError(f"{path} lacks weights for {missing[:5]}")
-    if weights not in ("average", "raw"):
-        raise DGemmaError(f"weights must be 'average' or 'raw', got {weights!r}")
     loaded = "raw"
     if weights == "average" and "ema" in state["extra"]:
         load_averaged(model, state["extra"]["ema"])
