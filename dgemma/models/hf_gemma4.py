@@ -163,9 +163,10 @@ def diffusiongemma_text_config(cfg: ModelConfig) -> dict:
         "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": cfg.rope_local_theta}, FULL: full},
         "per_layer_config": {str(i): {"head_dim": gdim, "num_key_value_heads": gkv}
                              for i, t in enumerate(cfg.layer_types) if t == FULL},
-        # the same two numbers in the older keys, which transformers drops when per_layer_config is
-        # there but mistral.rs 0.9.5 reads instead of it (its default 512 fits the released model only)
-        "global_head_dim": gdim, "num_global_key_value_heads": gkv,
+        # the same numbers in the older keys, which transformers drops when per_layer_config /
+        # rope_parameters are there but mistral.rs 0.9.5 reads instead (its defaults, 512 and 1e6,
+        # fit the released model only)
+        "global_head_dim": gdim, "num_global_key_value_heads": gkv, "rope_theta": cfg.rope_global_theta,
     }
 
 
@@ -266,14 +267,35 @@ _PLACEHOLDER_VISION = {"model_type": "gemma4_vision", "hidden_size": 8, "interme
                        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8, "position_embedding_size": 8}
 
 
+def placeholder_vision_tensors(text_hidden: int, dtype: torch.dtype) -> dict[str, Tensor]:
+    """All-zero tensors for the :data:`_PLACEHOLDER_VISION` tower (the names and shapes
+    transformers builds for it): an inert stand-in, every image embeds to zero.
+
+    Engines differ on a missing tower: transformers fills it at random and warns, mistral.rs
+    refuses to load (``Missing required tensor(s) ... vision_tower.patch_embedder.input_proj``).
+    With these 16 tensors (~7 K numbers) both load a model born in dgemma as it is.
+    """
+    v, tower = _PLACEHOLDER_VISION["hidden_size"], "model.encoder.vision_tower."
+    layer = tower + "encoder.layers.0."
+    shapes = {tower + "patch_embedder.position_embedding_table": (2, _PLACEHOLDER_VISION["position_embedding_size"], v),
+              tower + "patch_embedder.input_proj.weight": (v, 3 * 16 * 16),  # RGB x 16 x 16 patches
+              "model.encoder.embed_vision.embedding_projection.weight": (text_hidden, v)}
+    shapes.update({f"{layer}self_attn.{p}_proj.linear.weight": (v, v) for p in "qkvo"})
+    shapes.update({f"{layer}mlp.{p}_proj.linear.weight": (v, v) for p in ("gate", "up", "down")})
+    shapes.update({f"{layer}self_attn.{n}_norm.weight": (v,) for n in "qk"})
+    shapes.update({f"{layer}{n}_layernorm.weight": (v,) for n in ("input", "post_attention", "pre_feedforward",
+                                                                  "post_feedforward")})
+    return {k: torch.zeros(shape, dtype=dtype) for k, shape in shapes.items()}
+
+
 def save_diffusiongemma(model: DiffusionGemma, tokenizer, out_dir: str | Path, *, canvas_length: int = 256,
                         generation: dict | None = None) -> Path:
     """Write a folder ``transformers.DiffusionGemmaForBlockDiffusion.from_pretrained`` loads (and we do too).
 
     Vision tensors kept aside at load time (``model.hf_passthrough``) are written back, so a
-    released checkpoint round-trips whole; a model born in dgemma has none: its config names a
-    minimal placeholder vision tower, which transformers initialises itself (and we never run). ``generation`` goes to
-    ``generation_config.json`` (e.g. ``max_denoising_steps``).
+    released checkpoint round-trips whole; a model born in dgemma has none: it gets a minimal,
+    all-zero placeholder tower (:func:`placeholder_vision_tensors`), which no text path runs.
+    ``generation`` goes to ``generation_config.json`` (e.g. ``max_denoising_steps``).
     """
     from safetensors.torch import save_file
 
@@ -282,15 +304,19 @@ def save_diffusiongemma(model: DiffusionGemma, tokenizer, out_dir: str | Path, *
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = dgemma_to_diffusiongemma(model)
-    tensors.update({k: v.contiguous() for k, v in getattr(model, "hf_passthrough", {}).items()})
     dtype = model.model.embed_tokens.weight.dtype
+    passthrough = getattr(model, "hf_passthrough", {})
+    vision = getattr(model, "hf_vision_config", None)
+    tensors.update({k: v.contiguous() for k, v in passthrough.items()})
+    if not vision:
+        tensors.update(placeholder_vision_tensors(cfg.hidden_size, dtype))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = {"architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": DIFFUSION_GEMMA_TYPE,
           "canvas_length": int(canvas_length), "tie_word_embeddings": True, "text_config": text,
           "dtype": str(dtype).removeprefix("torch.")}
     # a released checkpoint's vision tower goes back as it came; a model born in dgemma has none,
     # and a minimal placeholder keeps transformers from building (and randomly filling) a 167M one
-    hf["vision_config"] = getattr(model, "hf_vision_config", None) or dict(_PLACEHOLDER_VISION)
+    hf["vision_config"] = vision or dict(_PLACEHOLDER_VISION)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     if generation:
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

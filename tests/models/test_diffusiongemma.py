@@ -233,12 +233,15 @@ def test_a_model_born_in_dgemma_exports_to_transformers_and_back(tmp_path):
     out = save_diffusiongemma(ours, None, tmp_path, canvas_length=6)
     text = json.loads((Path(out) / "config.json").read_text())["text_config"]
     assert text["per_layer_config"] == {"1": {"head_dim": 16, "num_key_value_heads": 1}}
-    assert (text["global_head_dim"], text["num_global_key_value_heads"]) == (16, 1)  # mistral.rs reads these
+    # mistral.rs reads these older keys, not per_layer_config / rope_parameters
+    assert (text["global_head_dim"], text["num_global_key_value_heads"]) == (16, 1)
+    assert text["rope_theta"] == text["rope_parameters"]["full_attention"]["rope_theta"] == cfg.rope_global_theta
     hf, info = DiffusionGemmaForBlockDiffusion.from_pretrained(out, output_loading_info=True,
                                                                attn_implementation="eager",
                                                                experts_implementation="eager")
-    assert not info["unexpected_keys"]
-    assert all(".vision_tower." in k or ".embed_vision." in k for k in info["missing_keys"])  # placeholder only
+    assert not info["unexpected_keys"] and not info["missing_keys"], info  # the placeholder tower is written
+    vision = {k: v for k, v in hf.state_dict().items() if ".vision_tower." in k or ".embed_vision." in k}
+    assert len(vision) == 16 and all(not v.any() for v in vision.values())  # inert: all zeros
     prompt, canvas = torch.randint(0, 64, (1, 9)), torch.randint(0, 64, (1, 6))
     with torch.no_grad():
         ref = hf.eval()(input_ids=prompt, decoder_input_ids=canvas, cache=DynamicCache(config=hf.config.get_text_config()))
