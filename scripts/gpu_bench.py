@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/gpu", help="folder for gpu.json (default: results/gpu)")
     p.add_argument("--budget", type=float, default=None, help="seconds for the suites together (default 420)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs")
-    p.add_argument("--sudoku-workdir", default=None, help="trained Sudoku run (default: checkpoints/sudoku_small)")
+    p.add_argument("--sudoku-workdir", default=None, help="trained Sudoku run (default: checkpoints/sudoku_wide)")
     args = p.parse_args(argv)
 
     import torch
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
               "On a CPU, use `dgemma bench all`.", file=sys.stderr)
         return 1
     sys.path.insert(0, str(REPO))  # this checkout's dgemma, installed or not
-    os.chdir(REPO)  # relative paths (checkpoints/sudoku_small, results/) are the repo's
+    os.chdir(REPO)  # relative paths (checkpoints/, results/) are the repo's
     from dgemma.bench import gpu
     from dgemma.bench.common import Context, ratios_table, write_result
 

@@ -6,7 +6,7 @@
   random init of the same architecture and say so: speed does not depend on the weights' values
   (early stopping does, which is why the Sudoku model carries the quality side).
 - ``tiny``: a random 2-layer Gemma 3 for ``--quick`` (seconds, no download).
-- the Sudoku workdir: a trained ``configs/sudoku_small.py`` run, opened with ``load_run``.
+- the Sudoku workdir: a trained ``configs/sudoku_wide.py`` or ``configs/sudoku_small.py`` run, opened with ``load_run``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dgemma import shipped
 from dgemma.bench.common import Context
 from dgemma.errors import DGemmaError
 from dgemma.models.pretrained import GEMMA3_270M, cache_root, load_pretrained, prepare_gemma3_270m
@@ -25,8 +26,8 @@ from dgemma.models.transformer import DiffusionGemma, ModelConfig
 from dgemma.models.weights import save_hf
 from dgemma.training.runs import load_run
 
-DEFAULT_SUDOKU_WORKDIR = "checkpoints/sudoku_small"
-DEFAULT_PUBMEDQA_WORKDIR = "checkpoints/pubmedqa_270m"  # the diffusion adapter; its AR twin in ar/
+DEFAULT_SUDOKU_WORKDIR = str(shipped.SUDOKU)
+DEFAULT_PUBMEDQA_WORKDIR = str(shipped.PUBMEDQA)  # the diffusion adapter; its AR twin in ar/
 
 # A fixed English passage: prompts are windows of its tokens, so every row of a batch has the same
 # length (no padding, the same work on both sides of every comparison) and the text is real.
@@ -147,14 +148,14 @@ def passage_prompts(tokenizer, batch: int, length: int, vocab_size: int, *, seed
 
 
 def sudoku_run(ctx: Context):
-    """The trained Sudoku run at ``ctx.sudoku_workdir`` (default ``checkpoints/sudoku_small``), or
+    """The trained Sudoku run at ``ctx.sudoku_workdir`` (default ``checkpoints/sudoku_wide``), or
     ``(None, why)`` when there is none: the suites then skip it with that note."""
     workdir = Path(ctx.sudoku_workdir or DEFAULT_SUDOKU_WORKDIR)
     if "sudoku" in ctx.cache:
         return ctx.cache["sudoku"]
     if not (workdir / "config.json").is_file():
         out = (None, f"no trained Sudoku run at {workdir} (no config.json); pass --sudoku-workdir DIR "
-                     f"(a workdir trained with configs/sudoku_small.py) to add accuracy next to speed")
+                     f"(a workdir trained with configs/sudoku_wide.py or sudoku_small.py) to add accuracy next to speed")
     else:
         try:
             out = (load_run(workdir, device=ctx.device, dtype=ctx.dtype), None)

@@ -43,7 +43,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default="results", help="folder for <suite>.json (default: results/)")
     p.add_argument("--quick", action="store_true", help="tiny random model, seconds: checks the plumbing only")
     p.add_argument("--sudoku-workdir", default=None,
-                   help="trained Sudoku run for the decode suite (default: checkpoints/sudoku_small)")
+                   help="trained Sudoku run for the decode suite (default: checkpoints/sudoku_wide)")
     p.add_argument("--pubmedqa-workdir", default=None,
                    help="adapted PubMedQA run (its AR fine-tune in DIR/ar) for the decode suite "
                         "(default: checkpoints/pubmedqa_270m)")

@@ -20,9 +20,10 @@ import json
 import sys
 from pathlib import Path
 
+from dgemma import shipped
 from dgemma.errors import DGemmaError
 
-SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "pubmedqa_270m"
+SHIPPED = shipped.PUBMEDQA
 UNTRAINED_WARNING = ("warning: {src} is a base model whose diffusion modules are untrained; its denoised text "
                      "is not what an adapted model writes (train one with configs/sft_pubmedqa_cpu.py, or use "
                      "the shipped checkpoints/pubmedqa_270m)")

@@ -49,6 +49,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dgemma import shipped
 from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import cell_token_ids
 from dgemma.serve.engine import (OPENAI_PREFIX, PRETRAINED, STATIC, SUDOKU_HINT, BodyLimit, Engine, JobStream, Jobs,
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------- the app
-def create_app(*, sudoku: str | Path | Engine | None = "checkpoints/sudoku_small",
+def create_app(*, sudoku: str | Path | Engine | None = shipped.SUDOKU,
                text: str | Path | Engine | None = PRETRAINED, device: str | None = None,
                limits: Limits | None = None, dtype: str = "auto") -> FastAPI:
     """The playground app (``dtype``: the models' inference dtype, see ``dgemma/device.py:resolve_dtype``).

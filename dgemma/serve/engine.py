@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 PRETRAINED = "gemma3-270m"
 HEARTBEAT_S = 2.0  # an SSE comment while a step takes longer, so a dead client is noticed
-SUDOKU_HINT = ("train one with `dgemma train --cfg=configs/sudoku_small.py --cfg.workdir=checkpoints/sudoku_small` "
+SUDOKU_HINT = ("train one with `dgemma train --cfg=configs/sudoku_small.py --cfg.workdir=runs/sudoku_small` "
                "or pass --sudoku-checkpoint DIR")
 
 

@@ -8,7 +8,7 @@ from dgemma.cli.main import main
 from dgemma.cli.solve import SHIPPED, board, solve
 from dgemma.data.sudoku import generate_puzzles
 
-pytestmark = pytest.mark.skipif(not SHIPPED.is_dir(), reason="checkpoints/sudoku_small is not in this checkout")
+pytestmark = pytest.mark.skipif(not SHIPPED.is_dir(), reason=f"{SHIPPED} is not in this checkout")
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -21,13 +21,14 @@ pytest.importorskip("lm_eval", reason="pip install lm-eval (the dev extra has it
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from dgemma import shipped  # noqa: E402
 from dgemma.data.sudoku import generate_puzzles  # noqa: E402
 from dgemma.errors import DGemmaError  # noqa: E402
 from dgemma.lm_eval_model import DGemmaLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "checkpoints" / "sudoku_small"
-needs_shipped = pytest.mark.skipif(not (SHIPPED / "checkpoints").is_dir(), reason="no checkpoints/sudoku_small")
+SHIPPED = shipped.SUDOKU
+needs_shipped = pytest.mark.skipif(not (SHIPPED / "checkpoints").is_dir(), reason=f"no {SHIPPED}")
 
 
 def gen_requests(contexts, **gen_kwargs) -> list[Instance]:

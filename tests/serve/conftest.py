@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from dgemma import shipped
+
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED_SUDOKU = REPO / "checkpoints" / "sudoku_small"
+SHIPPED_SUDOKU = shipped.SUDOKU
 
 
 class LiveServer:

@@ -1,5 +1,5 @@
 """A real headless Chromium drives the playground: it loads the page, solves a puzzle with the
-shipped Sudoku checkpoint (``checkpoints/sudoku_small``; a tiny run trained here when it is not
+shipped Sudoku checkpoint (``dgemma/shipped.py:SUDOKU``; a tiny run trained here when it is not
 there yet), sees the board change at least twice before it is complete, and saves screenshots
 in the test's output folder (``playground.png``: the whole page when done, ``sudoku_midsolve.png``:
 the board halfway). Set ``DGEMMA_SCREENSHOT_DIR`` to copy them somewhere (docs/img).
@@ -29,12 +29,13 @@ if not Path(CHROMIUM).is_file():
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium, or set DGEMMA_CHROMIUM)",
                 allow_module_level=True)
 
+from dgemma import shipped  # noqa: E402
 from dgemma.data.sudoku import generate_puzzles  # noqa: E402
 from dgemma.serve.app import create_app  # noqa: E402
 from dgemma.serve.engine import is_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "checkpoints" / "sudoku_small"
+SHIPPED = shipped.SUDOKU
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 

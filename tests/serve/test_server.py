@@ -19,6 +19,7 @@ pytest.importorskip("uvicorn", reason="the playground needs uvicorn")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from dgemma import shipped  # noqa: E402
 from dgemma.data.sudoku import generate_puzzles  # noqa: E402
 from dgemma.errors import DGemmaError  # noqa: E402
 from dgemma.serve.app import create_app  # noqa: E402
@@ -421,7 +422,7 @@ def test_cli_resolves_models(tiny_run, tmp_path):
     text = str(ADAPTED_TEXT) if is_run(ADAPTED_TEXT) else "gemma3-270m"  # the shipped adapter where present
     assert resolve_models(parse(["--checkpoint", str(tiny_run)])) == (str(tiny_run), text)
     assert resolve_models(parse(["--text-model", "none", "--sudoku-checkpoint", "none"])) == (None, None)
-    assert resolve_models(parse([])) == ("checkpoints/sudoku_small", text)
+    assert resolve_models(parse([])) == (str(shipped.SUDOKU), text)
     with pytest.raises(DGemmaError, match="pass one"):
         resolve_models(parse(["--checkpoint", str(tiny_run), "--sudoku-checkpoint", str(tiny_run)]))
     with pytest.raises(DGemmaError, match="no such workdir"):
