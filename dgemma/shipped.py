@@ -15,5 +15,4 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SUDOKU = REPO / "checkpoints" / "sudoku_wide"
-SUDOKU_QUICKSTART = REPO / "checkpoints" / "sudoku_small"
 PUBMEDQA = REPO / "checkpoints" / "pubmedqa_270m"

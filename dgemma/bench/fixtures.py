@@ -6,7 +6,8 @@
   random init of the same architecture and say so: speed does not depend on the weights' values
   (early stopping does, which is why the Sudoku model carries the quality side).
 - ``tiny``: a random 2-layer Gemma 3 for ``--quick`` (seconds, no download).
-- the Sudoku workdir: a trained ``configs/sudoku_wide.py`` or ``configs/sudoku_small.py`` run, opened with ``load_run``.
+- the Sudoku workdir: a trained ``configs/sudoku_wide.py`` or ``configs/sudoku_small.py`` run, opened
+  with ``load_run``.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def sudoku_run(ctx: Context):
         return ctx.cache["sudoku"]
     if not (workdir / "config.json").is_file():
         out = (None, f"no trained Sudoku run at {workdir} (no config.json); pass --sudoku-workdir DIR "
-                     f"(a workdir trained with configs/sudoku_wide.py or sudoku_small.py) to add accuracy next to speed")
+                     f"(a workdir trained with configs/sudoku_wide.py or sudoku_small.py) to add accuracy next to "
+                     f"speed")
     else:
         try:
             out = (load_run(workdir, device=ctx.device, dtype=ctx.dtype), None)

@@ -1,7 +1,8 @@
 """``dgemma solve "<81 digits>"`` (or ``--file``): solve Sudoku puzzles with a trained checkpoint.
 
-The default checkpoint is the one shipped in ``checkpoints/sudoku_wide`` (trained by
-``configs/sudoku_wide.py``; ``dgemma/shipped.py``); ``--checkpoint DIR`` takes any Sudoku workdir. Input is validated
+The default checkpoint is the one shipped in ``checkpoints/sudoku_wide`` (``dgemma/shipped.py``;
+trained by ``configs/sudoku_wide.py``); ``--checkpoint DIR`` takes any Sudoku workdir (for example
+``checkpoints/sudoku_small``, the quickstart recipe's). Input is validated
 first (length, characters, contradictory clues). By default every board is verified against the
 rules and clues and, where it breaks one, re-noised and re-sampled up to ``--rounds`` times
 (``dgemma/eval/sudoku_verify.py``): a board is printed only once it is checked valid, and a
@@ -167,7 +168,8 @@ def run(argv: list[str]) -> int:
     from dgemma.training.runs import load_run
 
     if not Path(args.checkpoint).is_dir():
-        raise DGemmaError(f"checkpoint not found: {args.checkpoint} (train one with configs/sudoku_small.py or configs/sudoku_wide.py)")
+        raise DGemmaError(f"checkpoint not found: {args.checkpoint} "
+                          "(train one with configs/sudoku_small.py or configs/sudoku_wide.py)")
     t0 = time.perf_counter()
     run_ = load_run(args.checkpoint, step=args.step, device="cpu", dtype=args.dtype)
     t1 = time.perf_counter()

@@ -59,7 +59,8 @@ from dgemma.tasks import get_task
 from dgemma.tasks.sudoku import SYSTEM_PROMPT, format_prompt, puzzle_hint
 
 DEFAULT_ROUNDS = 8
-"""Default ``--rounds`` (measured: checkpoints/sudoku_small/README.md and checkpoints/sudoku_wide/README.md, "Verified solving")."""
+"""Default ``--rounds`` (measured: "Verified solving" in checkpoints/sudoku_small/README.md and
+checkpoints/sudoku_wide/README.md)."""
 RESAMPLE_TEMPERATURE = 1.0
 STEP_QUANTUM = 8  # a round's steps: re-noised cells rounded up to a multiple of this
 

@@ -34,7 +34,6 @@ from dgemma.data.sudoku import generate_puzzles  # noqa: E402
 from dgemma.serve.app import create_app  # noqa: E402
 from dgemma.serve.engine import is_run  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 SHIPPED = shipped.SUDOKU
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -152,7 +151,7 @@ def test_browser_solves_a_puzzle_step_by_step(sudoku_checkpoint, live_server, tm
             shutil.copy(tmp_path / name, out / name)
 
 
-PUBMEDQA = REPO / "checkpoints" / "pubmedqa_270m"
+PUBMEDQA = shipped.PUBMEDQA
 
 
 @pytest.mark.skipif(not is_run(PUBMEDQA), reason="checkpoints/pubmedqa_270m is not there")
