@@ -7,7 +7,7 @@ path), so dgemma's install adds ``dgemma-lm-eval.pth``, whose start-up hook
 (``_dgemma_lm_eval_hook.py``) registers this class lazily once lm-eval loads its models; lm-eval's
 own command line then finds it::
 
-    lm_eval --model dgemma --model_args run=checkpoints/sudoku_small,steps=81 \\
+    lm_eval --model dgemma --model_args run=checkpoints/sudoku_wide,steps=81 \\
         --tasks my_task --include_path my_tasks/ --device cpu --batch_size 16
 
 ``dgemma lm-eval ARGS`` (``dgemma/cli/lm_eval.py``) is the same command line run after this
