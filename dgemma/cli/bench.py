@@ -27,6 +27,7 @@ from pathlib import Path
 # to be set before torch (and its OpenMP runtime) is loaded, i.e. here; an explicit setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from dgemma import shipped  # noqa: E402
 from dgemma.errors import DGemmaError  # noqa: E402
 
 CHOICES = ("decode", "loss", "attention", "train", "gpu", "all")
@@ -42,11 +43,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("suite", choices=CHOICES)
     p.add_argument("--out", default="results", help="folder for <suite>.json (default: results/)")
     p.add_argument("--quick", action="store_true", help="tiny random model, seconds: checks the plumbing only")
+    sudoku, pubmedqa = (path.relative_to(shipped.REPO) for path in (shipped.SUDOKU, shipped.PUBMEDQA))
     p.add_argument("--sudoku-workdir", default=None,
-                   help="trained Sudoku run for the decode suite (default: checkpoints/sudoku_wide)")
+                   help=f"trained Sudoku run for the decode suite (default: {sudoku})")
     p.add_argument("--pubmedqa-workdir", default=None,
-                   help="adapted PubMedQA run (its AR fine-tune in DIR/ar) for the decode suite "
-                        "(default: checkpoints/pubmedqa_270m)")
+                   help=f"adapted PubMedQA run (its AR fine-tune in DIR/ar) for the decode suite (default: {pubmedqa})")
     p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")

@@ -56,7 +56,7 @@ STATIC = Path(__file__).parent / "static"
 PRETRAINED = "gemma3-270m"
 HEARTBEAT_S = 2.0  # an SSE comment while a step takes longer, so a dead client is noticed
 SUDOKU_HINT = ("train one with `dgemma train --cfg=configs/sudoku_small.py --cfg.workdir=runs/sudoku_small` "
-               "or pass --sudoku-checkpoint DIR")
+               "and pass --sudoku-checkpoint runs/sudoku_small (or any Sudoku workdir)")
 
 
 @dataclass
