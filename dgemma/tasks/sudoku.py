@@ -394,7 +394,7 @@ class SudokuTask(Task):
             return super().train_data(cfg, tokenizer)
         return SudokuStream(tokenizer, seed=cfg.data.seed, hint_fn=self.hints(cfg, tokenizer),
                             unique_share=cfg.data.sudoku_unique, unique_pool=cfg.data.sudoku_unique_pool,
-                            **canvas_shape(cfg))
+                            unique_clues=tuple(cfg.data.sudoku_unique_clues), **canvas_shape(cfg))
 
     def source(self, cfg, split: str) -> str:
         if data_dir(cfg) is not None:

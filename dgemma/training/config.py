@@ -50,10 +50,17 @@ class InitConfig:
     ``.gguf``); its architecture wins and the ``model`` fields that differ from
     :class:`ModelConfig`'s defaults are applied on top (see :func:`model_overrides`). ``None``
     builds a random model from ``model`` with ``seed``.
+
+    ``weights`` warm-starts a new run from another run's weights: a checkpoint folder
+    (``RUN/checkpoints/step_*``) or a run workdir (its latest complete checkpoint), of the same
+    architecture. Only the weights come over (and, for a LoRA run, only what the checkpoint holds);
+    the optimiser, schedule and data order start afresh, which is what tells a warm start from a
+    resume. A run that already has checkpoints of its own resumes from them and ignores this.
     """
 
     base: str | None = None
     seed: int = 0
+    weights: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -95,6 +102,7 @@ class DataConfig:
     pin_clues: bool = False  # sudoku: clues pinned in the canvas (infilling), never noised nor scored
     sudoku_unique: float = 0.0  # sudoku stream: share of puzzles with exactly one solution (tasks/sudoku.py:SudokuStream)
     sudoku_unique_pool: int = 2000  # sudoku stream: how many unique puzzles to generate (each seen transformed)
+    sudoku_unique_clues: tuple[int, int] = (22, 35)  # sudoku stream: clue range of the unique puzzles (inclusive)
     path: str | None = None  # None: the task's default source (generator, shared data set)
     prompt_len: int = 256  # 0 for pretraining (no prompt: the whole window is canvases)
     response_end: Literal["end_of_turn", "eos"] = "end_of_turn"  # the token appended to every response
@@ -107,6 +115,9 @@ class DataConfig:
     def __post_init__(self):
         _positive(self, "batch_size", "sudoku_unique_pool")
         _fraction(self, "sudoku_unique")
+        lo, hi = self.sudoku_unique_clues
+        if not 17 <= lo <= hi <= 81:
+            raise ValueError(f"sudoku_unique_clues must be (lo, hi) with 17 <= lo <= hi <= 81, got {self.sudoku_unique_clues}")
         if self.prompt_len < 0:
             raise ValueError(f"prompt_len must be >= 0, got {self.prompt_len}")
 

@@ -367,6 +367,8 @@ class Trainer:
         if cfg.train.resume and (latest := ckpt.latest_checkpoint(self.workdir)) is not None:
             self.restore(latest)
             self.say(f"resumed from {latest}")
+        elif cfg.init.weights:
+            self.warm_start(Path(cfg.init.weights))
         if self.rank == 0:  # after the resume check: a refused resume leaves the run's config.json alone
             save_config(cfg, self.workdir)
 
@@ -461,6 +463,22 @@ class Trainer:
         if (saved := state["meta"].get("threads")) not in (None, torch.get_num_threads()):
             self.say(f"warning: checkpoint was written with {saved} threads, this run uses "
                      f"{torch.get_num_threads()}: results will not be bitwise identical")
+
+    def warm_start(self, source: Path) -> None:
+        """Load another run's weights into this fresh run (``init.weights``): step 0, new optimiser."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        path = source if (source / ckpt.META_FILE).is_file() else ckpt.latest_checkpoint(source)
+        if path is None:
+            raise DGemmaError(f"init.weights={source}: neither a checkpoint folder nor a workdir with a complete "
+                              f"checkpoint")
+        state = ckpt.load_checkpoint(path)
+        ckpt.check_compatible(state["meta"], self.model.config, source=path)
+        set_model_state_dict(self.module, {f"model.{k}": v for k, v in state["model"].items()},
+                             options=StateDictOptions(full_state_dict=True, strict=not self.cfg.lora.enabled))
+        if self.ema is not None:  # the average starts from the loaded weights, not the random ones
+            self.ema = WeightEMA(self.model, self.cfg.train.ema)
+        self.say(f"warm start from the weights of {path} (step {state['step']}); optimiser and schedule start afresh")
 
     def rollback(self) -> None:
         latest = ckpt.latest_checkpoint(self.workdir)

@@ -234,6 +234,10 @@ def test_sudoku_unique_refused_where_it_cannot_apply(tmp_path):
                                      "--cfg.diffusion.num_canvases=1"])
     data = build_train_data(cfg, tok)
     assert data.unique_share == 0.25 and len(data.unique) == 4
+    narrow = build_train_data(apply_overrides(cfg, ["--cfg.data.sudoku_unique_clues=[24,25]"]), tok)
+    assert {81 - p.count("0") for p, _ in narrow.unique} <= {24, 25}
+    with pytest.raises(DGemmaError, match="sudoku_unique_clues must be"):
+        apply_overrides(Config(), ["--cfg.data.sudoku_unique_clues=[30,20]"])
 
 
 def test_task_loading_from_prepared_dir(tmp_path):

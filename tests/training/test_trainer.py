@@ -340,6 +340,31 @@ def test_an_inference_only_checkpoint_evaluates_but_refuses_to_resume(tmp_path):
         Trainer(cfg).run()
 
 
+def test_a_warm_start_takes_the_weights_and_nothing_else(tmp_path):
+    """``init.weights``: step 0 holds the source's weights exactly (a step folder or a workdir),
+    the optimiser starts empty, a run with checkpoints of its own resumes from them instead, and
+    another architecture or an empty folder is refused by name."""
+    src = tmp_path / "src"
+    Trainer(config(FULL_TINY, src, "--cfg.train.steps=2", "--cfg.data.batch_size=1")).run()
+    weights = ckpt.load_checkpoint(ckpt.latest_checkpoint(src))["model"]
+    for source in (src, ckpt.latest_checkpoint(src)):
+        t = Trainer(config(FULL_TINY, tmp_path / "warm", f"--cfg.init.weights={source}", "--cfg.init.seed=5",
+                           "--cfg.train.steps=1", "--cfg.data.batch_size=1", "--cfg.train.resume=false"))
+        assert t.step == 0 and not t.optimizer.state
+        assert_same_tensors({k: v for k, v in t.model.state_dict().items() if k in weights}, weights)
+    fresh = Trainer(config(FULL_TINY, tmp_path / "fresh", "--cfg.init.seed=5", "--cfg.train.steps=1",
+                           "--cfg.data.batch_size=1"))
+    assert not all(torch.equal(fresh.model.state_dict()[k], v) for k, v in weights.items())
+    t.run()  # one step on top of the source's weights, then a resume wins over init.weights
+    again = Trainer(config(FULL_TINY, tmp_path / "warm", f"--cfg.init.weights={src}", "--cfg.train.steps=2",
+                           "--cfg.data.batch_size=1"))
+    assert again.step == 1
+    with pytest.raises(DGemmaError, match="trained with hidden_size=64 .*this config has hidden_size=32"):
+        Trainer(config(FULL_TINY, tmp_path / "other", f"--cfg.init.weights={src}", "--cfg.model.hidden_size=32"))
+    with pytest.raises(DGemmaError, match="neither a checkpoint folder nor a workdir"):
+        Trainer(config(FULL_TINY, tmp_path / "none", f"--cfg.init.weights={tmp_path / 'empty'}"))
+
+
 # -------------------------------------------------------------------------------- PubMedQA
 def byte_tokenizer(folder: Path) -> Path:
     """Byte-level BPE without merges plus Gemma's special tokens: any English, 261 ids."""
