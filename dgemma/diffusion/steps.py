@@ -206,9 +206,16 @@ class CommitStep(StepRule):
     the leftmost sub-blocks of ``B`` positions that hold enough open positions for its pace, so
     later positions wait for earlier ones. Example, ``C = 8, B = 4``, 3 commits due, positions
     0-1 committed: candidates are positions 2-7 (block 0 has 2 open, too few; blocks 0-1 have 6).
+
+    ``order="margin"`` ranks by the margin between the predicted token's probability and the
+    runner-up's instead of by the probability alone (Kim et al. 2025, "Train for the worst, plan
+    for the best": on Sudoku a position torn between two digits is not yet decided even when one
+    of them has 0.6). Example: probabilities (0.6, 0.4, ...) and (0.5, 0.1, 0.1, ...) rank first and
+    second by confidence, second and first by margin (0.2 against 0.4).
     """
 
     commits = True  # committed positions are final: the sampler skips their vocabulary work
+    ORDERS = ("confidence", "margin")
 
     @staticmethod
     def passes(schedule: Schedule, num_steps: int, width: int) -> int:
@@ -223,16 +230,19 @@ class CommitStep(StepRule):
 
     @classmethod
     def from_settings(cls, settings, noise) -> "CommitStep":
-        return cls(noise, temperature=settings.temperature, block=settings.commit_block)
+        return cls(noise, temperature=settings.temperature, block=settings.commit_block, order=settings.commit_order)
 
     def __init__(self, noise: NoiseProcess, schedule: Schedule | None = None, temperature: float = 0.0,
-                 block: int | None = None):
+                 block: int | None = None, order: str = "confidence"):
         if block is not None and block < 1:
             raise DGemmaError(f"commit block must be >= 1 positions, got {block}")
+        if order not in self.ORDERS:
+            raise DGemmaError(f"commit order {order!r} is unknown; choose one of {', '.join(self.ORDERS)}")
         self.noise = noise
         self.schedule = noise.schedule if schedule is None else schedule
         self.temperature = _check_temperature(temperature)
         self.block = block
+        self.order = order
 
     def __call__(
         self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
@@ -247,7 +257,7 @@ class CommitStep(StepRule):
         n_pin = pinned.sum(-1)
         target = n_pin + torch.ceil(alpha_s * (width - n_pin) - 1e-6).long()  # pace the free positions only
         n_new = (target - state.committed.sum(-1)).clamp_min(0)
-        score = conf.double()
+        score = (conf if self.order == "confidence" else _margin(logits, pred)).double()
         if state.prev_pred is not None and state.prev_conf is not None:
             stable = (pred == state.prev_pred) & (conf >= state.prev_conf)
             score = score + 2.0 * stable
@@ -256,6 +266,13 @@ class CommitStep(StepRule):
             score = score.masked_fill(~_leftmost_blocks(open_, n_new, self.block), -math.inf)
         new = _top_k_per_row(score, n_new) & open_
         return _renoise(state, self.noise, pred, conf, new, generator)
+
+
+def _margin(logits: Tensor, pred: Tensor) -> Tensor:
+    """``[B, C]``: the probability of ``pred`` minus the highest probability of any other token."""
+    probs = F.softmax(logits.float(), dim=-1)
+    chosen = probs.gather(-1, pred.unsqueeze(-1))
+    return (chosen - probs.scatter(-1, pred.unsqueeze(-1), -1.0).amax(-1, keepdim=True)).squeeze(-1)
 
 
 def _leftmost_blocks(open_: Tensor, n_new: Tensor, block: int) -> Tensor:

@@ -205,6 +205,27 @@ def test_commit_prefers_stable_and_not_weaker_predictions():
     assert out.tokens[0, [0, 2, 3]].tolist() == [0, 2, 3]
 
 
+def test_commit_by_margin_prefers_the_decided_position():
+    """The docstring's example: (0.6, 0.4, 0, 0) and (0.5, 0.1 x 5) swap ranks under margin;
+    the margin is the predicted token's probability minus the best other token's, computed here
+    by hand."""
+    noise = AbsorbingNoise(MASK, LinearSchedule())
+    probs = torch.tensor([[[0.6, 0.4, 0.0, 0.0, 0.0, 0.0], [0.5, 0.1, 0.1, 0.1, 0.1, 0.1],
+                           [0.3, 0.25, 0.25, 0.1, 0.05, 0.05]]])
+    logits = probs.clamp_min(1e-9).log()
+    state = CanvasState.from_noise(noise, 1, 3, generator=gen())
+    by_conf = CommitStep(noise)(state, logits, 1.0, 2 / 3, generator=gen(), is_last=False)  # commit 1 of 3
+    by_margin = CommitStep(noise, order="margin")(state, logits, 1.0, 2 / 3, generator=gen(), is_last=False)
+    assert by_conf.committed.tolist() == [[True, False, False]]
+    assert by_margin.committed.tolist() == [[False, True, False]]
+    top2 = probs.topk(2, -1).values
+    from dgemma.diffusion.steps import _margin
+
+    torch.testing.assert_close(_margin(logits, probs.argmax(-1)), top2[..., 0] - top2[..., 1])
+    with pytest.raises(DGemmaError, match="commit order 'entropy' is unknown"):
+        CommitStep(noise, order="entropy")
+
+
 # ---- confidence -------------------------------------------------------------------------------
 
 

@@ -297,7 +297,10 @@ def test_rule_settings_reach_step_and_stopping_rule(workdir, tmp_path):
     assert es["stopping"] == {"rule": "stable_confident", "stability_threshold": 1, "confidence_threshold": 0.01}
     _, block = harness.build_sampler(load(workdir, "--cfg.eval_ds.commit_block=9"), task, num_steps=2,
                                      step_type="commit", temperature=0.0, early_stopping=None)
-    assert block["step_args"]["block"] == 9
+    assert block["step_args"]["block"] == 9 and block["step_args"]["order"] == "confidence"
+    _, margin = harness.build_sampler(load(workdir, "--cfg.eval_ds.commit_order=margin"), task, num_steps=2,
+                                      step_type="commit", temperature=0.0, early_stopping=None)
+    assert margin["step_args"]["order"] == "margin"
 
 
 def test_pinned_clues_reach_the_sampler(workdir):
