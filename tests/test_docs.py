@@ -72,6 +72,21 @@ def test_config_files_in_the_guides_load(tmp_path):
     assert found
 
 
+def test_every_shipped_config_file_loads():
+    """Every recipe in ``configs/`` builds a valid Config, and a warm start it names exists in the
+    repo or in a run workdir it documents, so a renamed field breaks this test, not a user's run."""
+    from dgemma.training.config import Config, load_config
+
+    files = sorted((REPO / "configs").glob("*.py"))
+    assert files
+    for path in files:
+        cfg = load_config(path)
+        assert isinstance(cfg, Config), path
+        weights = cfg.init.weights
+        if weights is not None and weights.startswith("checkpoints/"):
+            assert (REPO / weights).is_dir(), f"{path.name}: init.weights={weights} is not in the repo"
+
+
 # -- self-tests on a fake repo --------------------------------------------------------------------
 PKG = '''
 """A fake package module."""

@@ -56,11 +56,26 @@ class InitConfig:
     architecture. Only the weights come over (and, for a LoRA run, only what the checkpoint holds);
     the optimiser, schedule and data order start afresh, which is what tells a warm start from a
     resume. A run that already has checkpoints of its own resumes from them and ignores this.
+    A source trained with ``train.ema`` gives its weight average, the weights its evaluation uses.
+
+    ``layer_map`` makes the warm-started model deeper than its source: layer ``i`` starts from
+    the source's layer ``layer_map[i]``, and a source layer used a second time starts with its
+    residual outputs switched off (both post-norm scales at zero), so at step 0 the deeper model
+    computes exactly its source's function. Example, a 4-layer source: ``[0, 1, 2, 3, 0, 1, 2, 3]``
+    runs the source's stack, then a second copy of it that training switches on.
     """
 
     base: str | None = None
     seed: int = 0
     weights: str | None = None
+    layer_map: list[int] | None = None
+
+    def __post_init__(self):
+        if self.layer_map is not None:
+            if self.weights is None:
+                raise ValueError("layer_map maps the layers of init.weights: set init.weights too")
+            if not self.layer_map or min(self.layer_map) < 0:
+                raise ValueError(f"layer_map must list source layer indices >= 0, got {self.layer_map}")
 
 
 @dataclass(kw_only=True)

@@ -11,6 +11,7 @@ uninterrupted one (at a fixed thread count, which the checkpoint records).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -317,6 +318,30 @@ class MetricsLog:
             self.jsonl.close()
 
 
+def map_layers(weights: dict, layer_map: list[int], *, unit_offset: bool = True) -> dict:
+    """A state dict whose decoder layer ``i`` is ``weights``' layer ``layer_map[i]``; a source layer
+    used a second time gets its two post-norm scales at zero (``-1`` stored for Gemma 3's ``1 + w``),
+    so its residual branches add exactly nothing until training switches them on.
+
+    Example: ``layer_map=[0, 1, 0]`` copies ``model.layers.0.*`` to layers 0 and 2 and
+    ``model.layers.1.*`` to layer 1; layer 2's ``post_attention_layernorm.weight`` and
+    ``post_feedforward_layernorm.weight`` become ``-1``. Every other tensor passes through.
+    """
+    prefix = "model.layers."
+    out = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+    seen = set()
+    for i, j in enumerate(layer_map):
+        src = f"{prefix}{j}."
+        for k, v in weights.items():
+            if k.startswith(src):
+                rest = k[len(src):]
+                if j in seen and rest in ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"):
+                    v = torch.full_like(v, -1.0 if unit_offset else 0.0)
+                out[f"{prefix}{i}.{rest}"] = v.clone()
+        seen.add(j)
+    return out
+
+
 # ------------------------------------------------------------------------------- the run
 @dataclass
 class Trainer:
@@ -465,7 +490,8 @@ class Trainer:
                      f"{torch.get_num_threads()}: results will not be bitwise identical")
 
     def warm_start(self, source: Path) -> None:
-        """Load another run's weights into this fresh run (``init.weights``): step 0, new optimiser."""
+        """Load another run's weights into this fresh run (``init.weights``, ``init.layer_map``):
+        step 0, new optimiser. A source with a weight average gives the average."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         path = source if (source / ckpt.META_FILE).is_file() else ckpt.latest_checkpoint(source)
@@ -473,12 +499,31 @@ class Trainer:
             raise DGemmaError(f"init.weights={source}: neither a checkpoint folder nor a workdir with a complete "
                               f"checkpoint")
         state = ckpt.load_checkpoint(path)
-        ckpt.check_compatible(state["meta"], self.model.config, source=path)
-        set_model_state_dict(self.module, {f"model.{k}": v for k, v in state["model"].items()},
+        weights = dict(state["model"])
+        if "ema" in state["extra"]:
+            weights.update(state["extra"]["ema"]["weights"])
+        config, layer_map = self.model.config, self.cfg.init.layer_map
+        if layer_map is not None:
+            if self.cfg.lora.enabled or getattr(config, "layer_scalar", False):
+                raise DGemmaError("init.layer_map deepens a fully trained model without layer scalars; it does "
+                                  "not apply to a LoRA run or to a layer_scalar model")
+            src_types = list(state["meta"].get("model_fingerprint", {}).get("layer_types", []))
+            if len(layer_map) != config.num_hidden_layers or max(layer_map) >= len(src_types):
+                raise DGemmaError(f"init.layer_map={layer_map} must name one of the source's {len(src_types)} layers "
+                                  f"for each of this model's {config.num_hidden_layers}")
+            if [src_types[j] for j in layer_map] != list(config.layer_types):
+                raise DGemmaError(f"init.layer_map={layer_map} gives layer types {[src_types[j] for j in layer_map]}; "
+                                  f"this model has {list(config.layer_types)}")
+            weights = map_layers(weights, layer_map, unit_offset=config.norm_unit_offset)
+            config = dataclasses.replace(config, num_hidden_layers=len(src_types), layer_types=src_types)
+        ckpt.check_compatible(state["meta"], config, source=path)
+        set_model_state_dict(self.module, {f"model.{k}": v for k, v in weights.items()},
                              options=StateDictOptions(full_state_dict=True, strict=not self.cfg.lora.enabled))
         if self.ema is not None:  # the average starts from the loaded weights, not the random ones
             self.ema = WeightEMA(self.model, self.cfg.train.ema)
-        self.say(f"warm start from the weights of {path} (step {state['step']}); optimiser and schedule start afresh")
+        self.say(f"warm start from the {'averaged ' if 'ema' in state['extra'] else ''}weights of {path} "
+                 f"(step {state['step']}{f', layers {layer_map}' if layer_map else ''}); optimiser and schedule "
+                 f"start afresh")
 
     def rollback(self) -> None:
         latest = ckpt.latest_checkpoint(self.workdir)

@@ -365,6 +365,37 @@ def test_a_warm_start_takes_the_weights_and_nothing_else(tmp_path):
         Trainer(config(FULL_TINY, tmp_path / "none", f"--cfg.init.weights={tmp_path / 'empty'}"))
 
 
+def test_a_deepened_warm_start_computes_its_source_exactly(tmp_path):
+    """``init.layer_map=[0, 1, 0, 1]`` on a 2-layer source: 4 layers whose repeated two add
+    exactly nothing at step 0 (same logits, bit for bit), whose weights are the source's, and
+    which the first optimiser step then switches on."""
+    src = tmp_path / "src"
+    Trainer(config(FULL_TINY, src, "--cfg.train.steps=1", "--cfg.data.batch_size=1")).run()
+    from dgemma.training.runs import load_run
+
+    source = load_run(src).model
+    deep_args = [f"--cfg.init.weights={src}", "--cfg.init.layer_map=0,1,0,1", "--cfg.model.num_hidden_layers=4",
+                 "--cfg.model.layer_types=sliding_attention,full_attention,sliding_attention,full_attention",
+                 "--cfg.train.steps=1", "--cfg.data.batch_size=1"]
+    t = Trainer(config(FULL_TINY, tmp_path / "deep", *deep_args))
+    deep = t.model.eval()
+    ids = torch.randint(3, 16, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(deep(ids), source(ids))
+    sd = deep.state_dict()
+    assert torch.equal(sd["model.layers.2.self_attn.q_proj.weight"], source.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert (sd["model.layers.3.post_feedforward_layernorm.weight"] == -1).all()
+    t.run()
+    after = load_run(tmp_path / "deep").model.state_dict()
+    assert not (after["model.layers.3.post_feedforward_layernorm.weight"] == -1).all()
+    with pytest.raises(DGemmaError, match=r"must name one of the source's 2 layers for each of this model's 4"):
+        Trainer(config(FULL_TINY, tmp_path / "bad", *deep_args[:1], "--cfg.init.layer_map=0,1,2,1", *deep_args[2:]))
+    with pytest.raises(DGemmaError, match="gives layer types"):
+        Trainer(config(FULL_TINY, tmp_path / "bad2", *deep_args[:1], "--cfg.init.layer_map=0,0,1,1", *deep_args[2:]))
+    with pytest.raises(DGemmaError, match="set init.weights too"):
+        config(FULL_TINY, tmp_path / "bad3", "--cfg.init.layer_map=0")
+
+
 # -------------------------------------------------------------------------------- PubMedQA
 def byte_tokenizer(folder: Path) -> Path:
     """Byte-level BPE without merges plus Gemma's special tokens: any English, 261 ids."""
