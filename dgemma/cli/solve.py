@@ -153,6 +153,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=64, help="boards denoised together (a --file's puzzles)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="re-noising rounds for a board that breaks a rule (default: %d)" % _default_rounds())
+    parser.add_argument("--variants", type=int, default=None,
+                        help="re-runs a broken board tries per round, batched (default: %d)" % _default_variants())
     parser.add_argument("--no-verify", action="store_true", help="print the model's single answer, valid or not")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="inference dtype (auto: the run's training precision; the shipped model trained in fp32)")
@@ -161,6 +163,10 @@ def run(argv: list[str]) -> int:
         raise DGemmaError("--rounds and --no-verify exclude each other (--rounds=0 verifies without re-noising)")
     if args.rounds is not None and args.rounds < 0:
         raise DGemmaError(f"--rounds must be >= 0, got {args.rounds}")
+    if args.variants is not None and args.no_verify:
+        raise DGemmaError("--variants and --no-verify exclude each other (variants are re-runs of a broken board)")
+    if args.variants is not None and args.variants < 1:
+        raise DGemmaError(f"--variants must be >= 1, got {args.variants}")
     if args.batch_size < 1:
         raise DGemmaError(f"--batch-size must be >= 1, got {args.batch_size}")
     puzzles = read_puzzles(args)
@@ -181,8 +187,9 @@ def run(argv: list[str]) -> int:
     from dgemma.eval.sudoku_verify import solve_run
 
     rounds = _default_rounds() if args.rounds is None else args.rounds
+    variants = _default_variants() if args.variants is None else args.variants
     solves = solve_run(run_, puzzles, rounds=rounds, num_steps=args.steps, step_type=args.step_type, seed=args.seed,
-                       batch_size=args.batch_size)
+                       batch_size=args.batch_size, variants=variants)
     _timing(len(puzzles), t1 - t0, time.perf_counter() - t1, f"verified, up to {_rounds(rounds)}")
     return _verified(solves, rounds)
 
@@ -197,3 +204,9 @@ def _default_rounds() -> int:
     from dgemma.eval.sudoku_verify import DEFAULT_ROUNDS
 
     return DEFAULT_ROUNDS
+
+
+def _default_variants() -> int:
+    from dgemma.eval.sudoku_verify import DEFAULT_VARIANTS
+
+    return DEFAULT_VARIANTS

@@ -43,7 +43,8 @@ from dgemma.tasks import get_task
 
 EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?sample_ar_steps(?P<steps>\d+)(?P<es>_early_stopping)?$")
 AR_EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?ar_greedy$")
-VERIFIED_EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?verified_steps(?P<steps>\d+)_rounds(?P<rounds>\d+)$")
+VERIFIED_EVAL_NAME = re.compile(
+    r"^(?:(?P<split>\w+?)_)?verified_steps(?P<steps>\d+)_rounds(?P<rounds>\d+)(?:_variants(?P<variants>\d+))?$")
 AR_MAX_TOKENS = 64
 AR_KEYS = ("ar_examples", "ar_max_new_tokens", "ar_tokens", "ar_forward_passes", "ar_tokens_per_forward",
            "ar_tokens_per_second", "ar_seconds")  # None when the AR baseline is skipped
@@ -57,6 +58,7 @@ class Evaluator:
     early_stopping: bool
     ar: bool = False  # greedy token-by-token decoding instead of the diffusion sampler
     rounds: int | None = None  # verified solving (Sudoku) with up to this many repair rounds
+    variants: int = 1  # and this many re-runs per round
 
 
 def evaluator_name(num_steps: int, early_stopping: bool, split: str | None = None) -> str:
@@ -72,14 +74,15 @@ def parse_evaluator(name: str, task) -> Evaluator:
     if m := VERIFIED_EVAL_NAME.match(name):
         if task.name != "sudoku":
             raise DGemmaError(f"{name}: verified solving is for the sudoku task, not {task.name!r}")
-        if int(m["steps"]) < 1:
-            raise DGemmaError(f"bad evaluator name {name!r}: verified_steps<N>_rounds<K> needs N >= 1")
+        if int(m["steps"]) < 1 or (m["variants"] is not None and int(m["variants"]) < 1):
+            raise DGemmaError(f"bad evaluator name {name!r}: verified_steps<N>_rounds<K>[_variants<W>] needs "
+                              f"N >= 1 and W >= 1")
         return Evaluator(name, task.check_split(m["split"] or task.default_split), int(m["steps"]), False,
-                         rounds=int(m["rounds"]))
+                         rounds=int(m["rounds"]), variants=int(m["variants"] or 1))
     m = EVAL_NAME.match(name)
     if not m or int(m["steps"]) < 1:
         raise DGemmaError(f"bad evaluator name {name!r}: expected [SPLIT_]sample_ar_steps<N>[_early_stopping], "
-                          f"[SPLIT_]ar_greedy or (sudoku) [SPLIT_]verified_steps<N>_rounds<K>, "
+                          f"[SPLIT_]ar_greedy or (sudoku) [SPLIT_]verified_steps<N>_rounds<K>[_variants<W>], "
                           f"e.g. sample_ar_steps32_early_stopping")
     split = task.check_split(m["split"] or task.default_split)
     return Evaluator(name, split, int(m["steps"]), bool(m["es"]))
@@ -389,7 +392,8 @@ def evaluate_verified_run(run, task, ev: Evaluator, *, records: list[dict], out_
     as :func:`evaluate` (``step_<S>.json`` with ``model_only`` and ``verified`` kept apart, one
     ``step_<S>.jsonl`` line per puzzle), TensorBoard ``eval/<name>/model_only/<k>`` and
     ``eval/<name>/verified/<k>``."""
-    out = evaluate_verified(run, task, rounds=ev.rounds, records=records, num_steps=ev.num_steps, split=ev.split)
+    out = evaluate_verified(run, task, rounds=ev.rounds, records=records, num_steps=ev.num_steps, split=ev.split,
+                            variants=ev.variants)
     out["eval_name"] = ev.name
     examples = out.pop("examples")
     _write(eval_dir(run, out_dir) / ev.name, run.step, out, examples)

@@ -165,11 +165,13 @@ def create_app(*, sudoku: str | Path | Engine | None = shipped.SUDOKU,
             plan.hints = sudoku_hints(engine, puzzle)
             plan.settings["pinned_clues"] = plan.hints is not None
             plan.settings["verify_rounds"] = req.verify_rounds
+            plan.settings["verify_variants"] = req.verify_variants
             if req.verify_rounds is not None:
                 cell_token_ids(engine.tokenizer)  # verification pins cells: one token per cell
         except DGemmaError as e:
             return _bad(str(e))
-        return _start("sudoku", lambda job: solve_work(engine, plan, job, puzzle, req.verify_rounds))
+        return _start("sudoku", lambda job: solve_work(engine, plan, job, puzzle, req.verify_rounds,
+                                                       req.verify_variants))
 
     @app.post("/api/text/generate")
     async def generate(req: TextRequest):

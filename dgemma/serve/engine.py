@@ -40,7 +40,7 @@ from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
 from dgemma.diffusion.stopping import STOPPING
 from dgemma.errors import DGemmaError
-from dgemma.eval.sudoku_verify import round_steps, solve_verified
+from dgemma.eval.sudoku_verify import DEFAULT_VARIANTS, round_steps, solve_verified
 from dgemma.eval.visualize import Frame, sudoku_cells, token_piece
 from dgemma.models.pretrained import load_pretrained
 from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases, resolve_logit_bias
@@ -517,6 +517,7 @@ class SampleParams(BaseModel):
 
 
 MAX_VERIFY_ROUNDS = 32
+MAX_VERIFY_VARIANTS = 32
 
 
 class SolveRequest(SampleParams):
@@ -524,6 +525,8 @@ class SolveRequest(SampleParams):
     # re-noising rounds for a board that breaks a rule (dgemma/eval/sudoku_verify.py); None: the
     # model's single answer, valid or not
     verify_rounds: int | None = Field(None, ge=0, le=MAX_VERIFY_ROUNDS)
+    # re-runs a broken board tries per round, batched; None: dgemma solve's default
+    verify_variants: int | None = Field(None, ge=1, le=MAX_VERIFY_VARIANTS)
 
 
 class TextRequest(SampleParams):
@@ -762,7 +765,8 @@ def board_verdict(puzzle: str, text: str) -> tuple[str | None, bool, str]:
     return pred, True, "solved: a valid grid that keeps every clue"
 
 
-def solve_work(engine: Engine, plan: Plan, job: Job, puzzle: str, verify_rounds: int | None = None) -> Callable:
+def solve_work(engine: Engine, plan: Plan, job: Job, puzzle: str, verify_rounds: int | None = None,
+               verify_variants: int | None = None) -> Callable:
     """The model's answer, streamed step by step; with ``verify_rounds`` the verified solve of
     ``dgemma solve`` (round 0 is the same answer), its rounds streamed too, and the ``done``
     event keeps the model-only and the verified figures apart."""
@@ -771,7 +775,8 @@ def solve_work(engine: Engine, plan: Plan, job: Job, puzzle: str, verify_rounds:
         progress = SudokuProgress(job, plan, emit, token_piece(engine.tokenizer), puzzle=puzzle,
                                   stop_ids=engine.stop_ids)
         if verify_rounds is not None:
-            return verified_work(engine, plan, progress, emit, puzzle, verify_rounds)
+            return verified_work(engine, plan, progress, emit, puzzle, verify_rounds,
+                                 DEFAULT_VARIANTS if verify_variants is None else verify_variants)
         result = run_sampler(engine, plan, progress)
         tokens = result.tokens[0]
         progress.earlier = []
@@ -783,9 +788,11 @@ def solve_work(engine: Engine, plan: Plan, job: Job, puzzle: str, verify_rounds:
     return work
 
 
-def verified_work(engine: Engine, plan: Plan, progress: "SudokuProgress", emit, puzzle: str, rounds: int) -> None:
+def verified_work(engine: Engine, plan: Plan, progress: "SudokuProgress", emit, puzzle: str, rounds: int,
+                  variants: int = 1) -> None:
     """:func:`~dgemma.eval.sudoku_verify.solve_verified` with the plan's sampler, ``progress`` as
-    its step hook (so every round animates and a cancel stops it), a ``round`` event per round."""
+    its step hook (so every round animates and a cancel stops it), a ``round`` event per round.
+    A round's variants run as one batch; the board animates its first one."""
     num_steps = plan.sampler.num_steps
 
     def on_round(k, rows, plans):
@@ -798,7 +805,7 @@ def verified_work(engine: Engine, plan: Plan, progress: "SudokuProgress", emit, 
     t0 = time.perf_counter()
     [s] = solve_verified(engine.model, engine.tokenizer, [puzzle], sampler=sampler, rounds=rounds,
                          prompt_len=engine.info.prompt_len, pin_clues=plan.hints is not None, seed=plan.seed,
-                         batch_size=1, on_round=on_round)
+                         batch_size=variants, on_round=on_round, variants=variants)
     seconds = max(time.perf_counter() - t0 - progress.slept, 1e-9)
     _, model_solved, model_verdict = board_verdict(puzzle, s.model_text)
     if s.valid:
@@ -813,7 +820,7 @@ def verified_work(engine: Engine, plan: Plan, progress: "SudokuProgress", emit, 
                   "verdict": verdict,
                   "model_only": {"solution": s.model_grid, "solved": model_solved, "verdict": model_verdict,
                                  "forward_passes": s.model_passes},
-                  "verified": {"solved": s.valid, "rounds": s.rounds, "max_rounds": rounds,
+                  "verified": {"solved": s.valid, "rounds": s.rounds, "max_rounds": rounds, "variants": variants,
                                "forward_passes": s.passes, "round_passes": s.round_passes, "renoised": s.renoised,
                                "seconds": round(seconds, 4)},
                   "stats": {"forward_passes": s.passes, "seconds": round(seconds, 4),

@@ -11,8 +11,8 @@ from dgemma.data.char_tokenizer import CharTokenizer
 from dgemma.data.sudoku import generate_puzzles
 from dgemma.diffusion.sampler import SampleResult
 from dgemma.errors import DGemmaError
-from dgemma.eval.sudoku_verify import (duplicate_groups, evaluate_verified, is_solution, offending_cells,
-                                       solution_error, solve_run, solve_verified, summarize)
+from dgemma.eval.sudoku_verify import (duplicate_groups, evaluate_verified, is_solution, legal_logits,
+                                       offending_cells, solution_error, solve_run, solve_verified, summarize)
 
 REC = generate_puzzles(1, seed=3, difficulty="medium")[0]
 PUZZLE, SOLUTION = REC["puzzle"], REC["solution"]
@@ -40,6 +40,23 @@ def test_rule_checks():
     assert solution_error(relabelled, "0" * 81) is None and "clue" in solution_error(relabelled, PUZZLE)
     assert "81 characters" in solution_error("12", PUZZLE)
     assert duplicate_groups("0" + SOLUTION[1:]) == [[0]]  # a cell without a digit is broken alone
+
+
+def test_legal_logits_rule_out_what_a_committed_peer_holds():
+    digits = torch.tensor(TOK.encode("123456789"))
+    tokens = torch.full((1, 81), int(digits[0]))
+    committed = torch.zeros(1, 81, dtype=torch.bool)
+    for i, d in enumerate("12345678"):  # row 1: 12345678_
+        tokens[0, i], committed[0, i] = int(digits[int(d) - 1]), True
+    tokens[0, 17], committed[0, 17] = int(digits[8]), True  # a 9 in row 2, box 3
+    logits = torch.randn(1, 81, len(TOK))
+    out = legal_logits(logits, tokens, committed, digits)
+    ok = lambda i: [TOK.decode([int(t)]) for t in (out[0, i] > -float("inf")).nonzero().squeeze(1)]  # noqa: E731
+    # row 1's last cell: 1-8 in its row, 9 in its box: dead, so left as the model has it; committed cells too
+    assert torch.equal(out[0, 8], logits[0, 8]) and torch.equal(out[0, :8], logits[0, :8])
+    assert ok(9) == ["4", "5", "6", "7", "8"]  # row 2, box 1: 1-3 in its box, 9 in its row
+    assert ok(80) == list("12345678")  # column 9 holds the 9
+    assert ok(40) == list("12346789")  # the centre: column 5 holds the 5; non-digit tokens are ruled out too
 
 
 # ------------------------------------------------------------------------------ scripted sampler
@@ -91,6 +108,38 @@ def test_a_broken_board_is_never_reported_valid():
     summary = summarize([s])
     assert summary["model_only"]["valid"] == 0 and summary["verified"]["valid"] == 0
     assert summary["verified"]["unsolved"] == 1 and summary["verified"]["mean_rounds"] == 5
+
+
+@dataclass(kw_only=True)
+class PerRow(Scripted):
+    """Round 0 answers ``answers[0]``; in later calls row ``j`` answers ``rows[j % len(rows)]``."""
+
+    rows: list = field(default_factory=list)
+
+    def __call__(self, model, ids, valid, *, generator, hints=None):
+        res = Scripted.__call__(self, model, ids, valid, generator=generator, hints=hints)
+        if len(self.calls) == 1:
+            return res
+        out = []
+        for j, row in enumerate(res.tokens):
+            answer = TOK.encode(self.rows[j % len(self.rows)])
+            h = hints[j].tolist()
+            out.append([h[i] if h[i] >= 0 else answer[i] for i in range(81)])
+        return SampleResult(out, res.forward_passes, res.steps_used, res.seconds)
+
+
+def test_variants_try_several_reruns_in_one_batch_and_keep_a_valid_one():
+    bad = _broken(SOLUTION)
+    sampler = PerRow(answers=[bad], rows=[bad, SOLUTION, bad])
+    seen = []
+    s = solve_verified(MODEL, TOK, [PUZZLE], sampler=sampler, rounds=4, variants=3,
+                       on_round=lambda k, rows, plans: seen.append((k, rows)))[0]
+    assert s.valid and s.grid == SOLUTION and not s.model_valid and s.rounds == 1 and seen == [(1, [0])]
+    steps, hints = sampler.calls[1]
+    assert len(sampler.calls) == 2 and len(hints) == 3  # one call, three re-runs side by side
+    assert s.round_passes == [82, 3 * (1 + steps)] and s.passes == sum(s.round_passes)  # every variant is paid for
+    with pytest.raises(DGemmaError, match="variants must be an integer >= 1"):
+        solve_verified(MODEL, TOK, [PUZZLE], sampler=sampler, variants=0)
 
 
 def test_rounds_zero_verifies_without_renoising():
@@ -148,8 +197,9 @@ def test_tiny_run_is_checked_reproducible_and_keeps_clues(tiny):
     a = solve_run(tiny, puzzles, rounds=3, seed=1)
     b = solve_run(tiny, puzzles, rounds=3, seed=1)
     assert [_plain(x) for x in a] == [_plain(x) for x in b]  # same seed, same output
+    c = solve_run(tiny, puzzles, rounds=3, seed=1, variants=3)
     old = solve(puzzles, tiny, steps=81, step_type="commit", seed=1)  # dgemma solve --no-verify
-    for s, o in zip(a, old):
+    for s, o in [*zip(a, old), *zip(c, old)]:
         assert s.valid == is_solution(s.grid, s.puzzle) and s.model_valid == is_solution(s.model_grid, s.puzzle)
         assert s.model_valid == o["valid"]
         if len(o["grid"]) == 81:

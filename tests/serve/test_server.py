@@ -279,19 +279,20 @@ def test_pinned_clues_stay_in_the_models_answer(client):
 def test_verified_solve_streams_its_rounds_and_matches_dgemma_solve(client, tiny_run):
     """verify_rounds runs `dgemma solve`'s verified solve (the same boards, rounds and passes for
     the same seed and settings), streams every round, and keeps model-only and verified apart."""
-    from dgemma.eval.sudoku_verify import solve_run
+    from dgemma.eval.sudoku_verify import DEFAULT_VARIANTS, solve_run
     from dgemma.training.runs import load_run
 
     puzzle = generate_puzzles(1, seed=3, difficulty="hard")[0]["puzzle"]
     body = {"puzzle": puzzle, "step_type": "commit", "num_steps": 81, "temperature": 0.0, "early_stopping": "none",
-            "seed": 0, "verify_rounds": 3}
+            "seed": 0, "verify_rounds": 3, "verify_variants": 1}
     with client.stream("POST", "/api/sudoku/solve", json=body) as r:
         assert r.status_code == 200
         evs = events(r.iter_lines())
     kinds = [e for e, _ in evs]
     assert kinds[0] == "start" and kinds[-1] == "done" and evs[0][1]["verify_rounds"] == 3
     done = evs[-1][1]
-    [ref] = solve_run(load_run(tiny_run), puzzle, rounds=3, num_steps=81, step_type="commit", seed=0)
+    run = load_run(tiny_run)
+    [ref] = solve_run(run, puzzle, rounds=3, num_steps=81, step_type="commit", seed=0, variants=1)
     assert ref.rounds >= 1  # the tiny model breaks a rule: the rounds are exercised
     v, m = done["verified"], done["model_only"]
     assert (done["solved"], v["rounds"], v["forward_passes"], v["round_passes"]) == \
@@ -307,6 +308,15 @@ def test_verified_solve_streams_its_rounds_and_matches_dgemma_solve(client, tiny
     for bad in (-1, 33, "x"):
         r = client.post("/api/sudoku/solve", json={**body, "verify_rounds": bad})
         assert r.status_code == 400 and "verify_rounds" in r.json()["error"]
+        r = client.post("/api/sudoku/solve", json={**body, "verify_variants": bad if bad != -1 else 0})
+        assert r.status_code == 400 and "verify_variants" in r.json()["error"]
+    # the default: dgemma solve's variants, batched (the same board and passes as dgemma solve)
+    with client.stream("POST", "/api/sudoku/solve", json={**body, "verify_variants": None}) as r:
+        done = events(r.iter_lines())[-1][1]
+    [ref] = solve_run(run, puzzle, rounds=3, num_steps=81, step_type="commit", seed=0, batch_size=DEFAULT_VARIANTS)
+    assert done["verified"]["variants"] == DEFAULT_VARIANTS > 1
+    assert (done["solved"], done["verified"]["forward_passes"], "".join(d or "0" for d, _ in done["cells"])) == \
+        (ref.valid, ref.passes, ref.grid)
 
 
 def test_same_seed_gives_the_same_board(client):
