@@ -529,7 +529,8 @@ def evaluate_verified(run, task="sudoku", *, rounds: int = DEFAULT_ROUNDS, recor
                  "model_grid": s.model_grid, "model_valid": s.model_valid, "model_passes": s.model_passes,
                  "grid": s.grid if s.valid else None, "valid": s.valid, "rounds": s.rounds, "passes": s.passes,
                  "renoised": s.renoised} for i, (r, s) in enumerate(zip(records, solves))]
-    settings = {"rounds": rounds, "variants": variants, "legal_only": True, "num_steps": num_steps, "step_type": step_type, "temperature": 0.0,
+    settings = {"rounds": rounds, "variants": variants, "legal_only": True, "num_steps": num_steps,
+                "step_type": step_type, "temperature": 0.0,
                 "resample_temperature": RESAMPLE_TEMPERATURE, "seed": seed, "batch_size": batch_size,
                 "pin_clues": bool(cfg.data.pin_clues), "device": str(next(run.model.parameters()).device),
                 "threads": torch.get_num_threads(), "wall_seconds": wall}
