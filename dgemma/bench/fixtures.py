@@ -6,7 +6,7 @@
   random init of the same architecture and say so: speed does not depend on the weights' values
   (early stopping does, which is why the Sudoku model carries the quality side).
 - ``tiny``: a random 2-layer Gemma 3 for ``--quick`` (seconds, no download).
-- the Sudoku workdir: a trained ``configs/sudoku_wide.py`` or ``configs/sudoku_small.py`` run, opened
+- the Sudoku workdir: a trained ``configs/sudoku_deep.py``, ``sudoku_wide.py`` or ``sudoku_small.py`` run, opened
   with ``load_run``.
 """
 
@@ -149,14 +149,14 @@ def passage_prompts(tokenizer, batch: int, length: int, vocab_size: int, *, seed
 
 
 def sudoku_run(ctx: Context):
-    """The trained Sudoku run at ``ctx.sudoku_workdir`` (default ``checkpoints/sudoku_wide``), or
+    """The trained Sudoku run at ``ctx.sudoku_workdir`` (default ``checkpoints/sudoku_deep``), or
     ``(None, why)`` when there is none: the suites then skip it with that note."""
     workdir = Path(ctx.sudoku_workdir or DEFAULT_SUDOKU_WORKDIR)
     if "sudoku" in ctx.cache:
         return ctx.cache["sudoku"]
     if not (workdir / "config.json").is_file():
         out = (None, f"no trained Sudoku run at {workdir} (no config.json); pass --sudoku-workdir DIR "
-                     f"(a workdir trained with configs/sudoku_wide.py or sudoku_small.py) to add accuracy next to "
+                     f"(a workdir trained with configs/sudoku_deep.py or sudoku_small.py) to add accuracy next to "
                      f"speed")
     else:
         try:

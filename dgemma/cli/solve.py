@@ -1,10 +1,10 @@
 """``dgemma solve "<81 digits>"`` (or ``--file``): solve Sudoku puzzles with a trained checkpoint.
 
-The default checkpoint is the one shipped in ``checkpoints/sudoku_wide`` (``dgemma/shipped.py``;
-trained by ``configs/sudoku_wide.py``); ``--checkpoint DIR`` takes any Sudoku workdir (for example
+The default checkpoint is the one shipped in ``checkpoints/sudoku_deep`` (``dgemma/shipped.py``;
+trained by ``configs/sudoku_deep.py``); ``--checkpoint DIR`` takes any Sudoku workdir (for example
 ``checkpoints/sudoku_small``, the quickstart recipe's). Input is validated
 first (length, characters, contradictory clues). By default every board is verified against the
-rules and clues and, where it breaks one, re-noised and re-sampled up to ``--rounds`` times
+rules and clues and, where it breaks one, re-noised and re-sampled up to ``--rounds`` times, ``--variants`` re-runs a round
 (``dgemma/eval/sudoku_verify.py``): a board is printed only once it is checked valid, and a
 puzzle still broken after the last round is reported unsolved, never shown as an answer.
 ``--no-verify`` prints the model's single answer with its verdict, valid or not.
@@ -175,7 +175,7 @@ def run(argv: list[str]) -> int:
 
     if not Path(args.checkpoint).is_dir():
         raise DGemmaError(f"checkpoint not found: {args.checkpoint} "
-                          "(train one with configs/sudoku_small.py or configs/sudoku_wide.py)")
+                          "(train one with configs/sudoku_small.py or configs/sudoku_deep.py)")
     t0 = time.perf_counter()
     run_ = load_run(args.checkpoint, step=args.step, device="cpu", dtype=args.dtype)
     t1 = time.perf_counter()

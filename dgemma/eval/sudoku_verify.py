@@ -69,8 +69,8 @@ from dgemma.tasks import get_task
 from dgemma.tasks.sudoku import SYSTEM_PROMPT, format_prompt, puzzle_hint
 
 DEFAULT_ROUNDS = 8
-"""Default ``--rounds`` (measured: "Verified solving" in checkpoints/sudoku_small/README.md and
-checkpoints/sudoku_wide/README.md)."""
+"""Default ``--rounds`` (measured: "Verified solving" in checkpoints/sudoku_small/README.md,
+checkpoints/sudoku_wide/README.md and checkpoints/sudoku_deep/README.md)."""
 DEFAULT_VARIANTS = 8
 """Re-runs a broken board tries per round (``--variants``)."""
 RESAMPLE_TEMPERATURE = 1.0
