@@ -148,6 +148,8 @@ class _Log:
     """Per row and cell: token, commit time (rank), the model's probability of the committed
     digit, its runner-up digit and that one's probability, and whether a branch pinned it."""
 
+    FIELDS = ("tokens", "rank", "conf", "alt", "altp", "forced")
+
     def __init__(self, n: int):
         self.tokens = torch.full((n, 81), -1, dtype=torch.long)
         self.rank = torch.zeros(n, 81, dtype=torch.float64)
@@ -155,6 +157,19 @@ class _Log:
         self.alt = torch.full((n, 81), -1, dtype=torch.long)
         self.altp = torch.zeros(n, 81)
         self.forced = torch.zeros(n, 81, dtype=torch.bool)
+
+    def take(self, rows: list[int]) -> "_Log":
+        """A new log holding copies of ``rows`` (a row may appear more than once)."""
+        out = _Log(len(rows))
+        index = torch.tensor(rows, dtype=torch.long)
+        for name in self.FIELDS:
+            setattr(out, name, getattr(self, name)[index])
+        return out
+
+    def put(self, row: int, other: "_Log", j: int) -> None:
+        """Overwrite ``row`` with ``other``'s row ``j``."""
+        for name in self.FIELDS:
+            getattr(self, name)[row] = getattr(other, name)[j]
 
 
 _PEERS = torch.zeros(81, 81)
@@ -384,22 +399,19 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
         step.temperature = RESAMPLE_TEMPERATURE
         resampler = dataclasses.replace(sampler, step=step)
     grids = list(model_grids)
-    fields = ("tokens", "rank", "conf", "alt", "altp", "forced")
     for k in range(1, rounds + 1):
         todo = [r for r in range(n) if not is_solution(grids[r], puzzles[r])]
         if not todo:
             break
         rule = _rule(k)
         # each broken board tries `variants` re-runs (a branch: its 1st, 2nd, ... least confident
-        # pivot; a resample: independent draws), one scratch row each, batched together
+        # pivot; a resample: independent draws), one scratch row each, batched together; board
+        # todo[t]'s variants are scratch rows t * variants ... (t + 1) * variants - 1
         pairs = [(r, v) for r in todo for v in range(variants)]
         plans = {(r, v): plan_round(rule, puzzles[r], grids[r], log, r, choice=v) for r, v in pairs}
         if on_round is not None:
             on_round(k, todo, [plans[(r, 0)] for r in todo])
-        scratch = _Log(len(pairs))
-        src = torch.tensor([r for r, _ in pairs], dtype=torch.long)
-        for name in fields:
-            getattr(scratch, name)[:] = getattr(log, name)[src]
+        scratch = log.take([r for r, _ in pairs])
         sbase = torch.zeros(len(pairs), dtype=torch.float64)
         for j, (r, v) in enumerate(pairs):
             plan = plans[(r, v)]
@@ -409,10 +421,10 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
                 scratch.forced[j, c] = True
                 scratch.alt[j, c], scratch.conf[j, c], scratch.altp[j, c] = (
                     int(scratch.tokens[j, c]), float(scratch.altp[j, c]), float(scratch.conf[j, c]))
-        steps_of = [round_steps(sum(p < 0 for p in plans[pair].pins), sampler.num_steps) for pair in pairs]
+        free = [sum(p < 0 for p in plans[pair].pins) for pair in pairs]  # re-noised cells of each re-run
         groups: dict[int, list[int]] = {}
-        for j, steps in enumerate(steps_of):
-            groups.setdefault(steps, []).append(j)
+        for j, f in enumerate(free):
+            groups.setdefault(round_steps(f, sampler.num_steps), []).append(j)
         spent = {r: [0, 0.0] for r in todo}  # passes and seconds of all of a board's variants
         for steps, members in sorted(groups.items()):
             for lo in range(0, len(members), batch_size):
@@ -423,15 +435,14 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
                 for i, j in enumerate(rows):
                     spent[pairs[j][0]][0] += res.forward_passes[i]
                     spent[pairs[j][0]][1] += res.seconds / len(rows)
-        for r in todo:  # keep a valid variant if any, else the one with the fewest broken cells
-            cands = [j for j, (q, _) in enumerate(pairs) if q == r]
+        for t, r in enumerate(todo):  # keep a valid variant if any, else the one with the fewest broken cells
+            cands = range(t * variants, (t + 1) * variants)
             boards = {j: _grid(scratch.tokens[j], digit_ids) for j in cands}
             best = min(cands, key=lambda j: (not is_solution(boards[j], puzzles[r]),
                                              len(offending_cells(boards[j], puzzles[r]))))
-            for name in fields:
-                getattr(log, name)[r] = getattr(scratch, name)[best]
+            log.put(r, scratch, best)
             base[r] = sbase[best]
-            renoised[r].append(sum(p < 0 for p in plans[pairs[best]].pins))
+            renoised[r].append(free[best])
             used[r] += 1
             passes[r] += spent[r][0]
             seconds[r] += spent[r][1]
