@@ -98,6 +98,7 @@ class CanvasSampler:
     min_stop_prob: float = 0.0  # a stop token is predicted only where its probability reaches this
     stop_alias_cos: float | None = None  # fold tokens this close to a stop token's embedding into it
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits at every step (add_logit_bias)
+    reuse_logits: bool = True  # a step after one that changed no token reuses its logits (False: recompute)
     record: bool = False
     # Optional per-step callback, called after every denoising step with keyword arguments
     # canvas, step, t, rows (original row indices of the rows in this step), tokens, committed,
@@ -173,31 +174,42 @@ class CanvasSampler:
         selfcond = None
         ctx_cache, ctx_ids, ctx_info = d.cache, d.prefix_ids, d.prefix_info
         grid = d.grid
+        # without time or self-conditioning a forward depends on the canvas alone: a step that
+        # changed no token (a commit pace with nothing due, absorbing noise) is followed by the
+        # same forward, so its logits are reused instead of recomputed
+        reuse = (self.reuse_logits and model.self_conditioning is None
+                 and getattr(model, "time_embedding", False) is None)
+        last = None  # (canvas, logits) of the last forward, while the running rows stay the same
         for i in range(self.num_steps):
             t = grid[i].expand(running.numel()).to(dev)
-            if self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
-                hidden = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
-                               write=False, selfcond=selfcond, t=t, return_hidden=True)
-                before = d.before[running] if d.before is not None else None
-            else:
-                full = model(torch.cat([ctx_ids, state.tokens], 1), info=ctx_info.cat(noisy[running]),
-                             selfcond=_pad_left(selfcond, ctx_ids), t=t, return_hidden=True)
-                hidden = full[:, -c:]
-                before = None
-                if d.before_idx is not None:  # the clean context's states equal the encoder's
-                    at = d.before_idx[d.active][running] if k == 0 else torch.full_like(running, ctx_ids.shape[1] - 1)
-                    before = full[torch.arange(running.numel(), device=dev), at]
-            if before is not None:
-                hidden = shift_to_canvas(hidden, before[:, None], c)
             # committed positions can no longer change: the LM head runs on the open ones only
             open_ = ~state.committed if self.skip_committed and self.step.commits else None
-            logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
-            logits = add_logit_bias(fold_aliases(logits, d.aliases), self.logit_bias)
-            if self.min_stop_prob > 0 and self.stop_ids:
-                logits = gate_stop_tokens(logits, self.stop_ids, self.min_stop_prob)
             rows = d.active[running].tolist()
-            for r in rows:
-                d.fwd[r] += 1
+            if last is not None and torch.equal(last[0], state.tokens):
+                logits = last[1]
+            else:
+                if self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
+                    hidden = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
+                                   write=False, selfcond=selfcond, t=t, return_hidden=True)
+                    before = d.before[running] if d.before is not None else None
+                else:
+                    full = model(torch.cat([ctx_ids, state.tokens], 1), info=ctx_info.cat(noisy[running]),
+                                 selfcond=_pad_left(selfcond, ctx_ids), t=t, return_hidden=True)
+                    hidden = full[:, -c:]
+                    before = None
+                    if d.before_idx is not None:  # the clean context's states equal the encoder's
+                        at = (d.before_idx[d.active][running] if k == 0
+                              else torch.full_like(running, ctx_ids.shape[1] - 1))
+                        before = full[torch.arange(running.numel(), device=dev), at]
+                if before is not None:
+                    hidden = shift_to_canvas(hidden, before[:, None], c)
+                logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
+                logits = add_logit_bias(fold_aliases(logits, d.aliases), self.logit_bias)
+                if self.min_stop_prob > 0 and self.stop_ids:
+                    logits = gate_stop_tokens(logits, self.stop_ids, self.min_stop_prob)
+                for r in rows:
+                    d.fwd[r] += 1
+            last = (state.tokens, logits) if reuse else None
             is_last = i == self.num_steps - 1
             state = self.step(state, logits, float(grid[i]), float(grid[i + 1]), generator=generator,
                               is_last=is_last)
@@ -226,7 +238,7 @@ class CanvasSampler:
                 for r in d.active[running[done]].tolist():
                     d.steps_used[r].append(i + 1)
                 keep = ~done
-                running = running[keep]
+                running, last = running[keep], None
                 if running.numel() == 0:
                     break
                 state = state.select(keep)

@@ -276,3 +276,40 @@ def test_ar_rows_that_stop_leave_the_batch_without_changing_the_others():
     for r in range(4):
         alone = ar_generate(model, ids[r:r + 1], valid[r:r + 1], max_new_tokens=10, stop_ids=(stop,))
         assert both.tokens[r] == alone.tokens[0] and both.forward_passes[r] == alone.forward_passes[0]
+
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_step_that_changed_no_token_reuses_the_last_forward(use_cache):
+    """With absorbing noise and more steps than positions, the commit pace has steps with nothing
+    due: the canvas stays as it was, so the next forward would repeat the last one. The sampler
+    reuses its logits (``reuse_logits``): the same tokens, bit for bit, as recomputing every step
+    (fp64, greedy, two rows that settle at different steps); alone, a row takes one forward per
+    distinct canvas its steps start from, plus its prefill and re-encodes."""
+    model = tiny()
+    noise = AbsorbingNoise(V - 1, LinearSchedule())
+    b = batch()
+    hints = torch.full((2, N * C), -1)
+    hints[0, 1] = 7  # row 0 has one position pinned: it settles before row 1
+
+    def run(rows, reuse):
+        sampler = CanvasSampler(noise=noise, step=CommitStep(noise), num_steps=3 * C, canvas_size=C, max_canvases=N,
+                                use_cache=use_cache, reuse_logits=reuse, temperature=0.0, record=True)
+        return sampler(model, b["prompt_ids"][rows], b["prompt_valid"][rows], hints=hints[rows],
+                       generator=torch.Generator().manual_seed(0))
+
+    both, ref = run(slice(0, 2), True), run(slice(0, 2), False)
+    assert both.tokens == ref.tokens
+    assert sum(both.forward_passes) < sum(ref.forward_passes)
+    for r in range(2):
+        re_encodes = len(ref.steps_used[r]) - 1 if use_cache else 0  # without the cache: no encoder pass
+        assert ref.forward_passes[r] == 1 + sum(ref.steps_used[r]) + re_encodes
+        alone = run(slice(r, r + 1), True)
+        assert alone.tokens[0] == both.tokens[r]
+        steps = alone.trajectories[0]
+        inputs = 0
+        for j, st in enumerate(steps):  # step j's input is step j - 1's output within a canvas
+            inputs += st["step"] == 0 or (st["step"] >= 2 and steps[j - 1]["tokens"] != steps[j - 2]["tokens"]) or \
+                (st["step"] == 1 and steps[j - 1]["committed"] != [bool(h >= 0) for h in
+                                                                     hints[r, st["canvas"] * C:(st["canvas"] + 1) * C]])
+        assert alone.forward_passes[0] == 1 + inputs + re_encodes < ref.forward_passes[r]
