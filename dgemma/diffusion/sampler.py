@@ -102,11 +102,12 @@ class CanvasSampler:
     record: bool = False
     # Optional per-step callback, called after every denoising step with keyword arguments
     # canvas, step, t, rows (original row indices of the rows in this step), tokens, committed,
-    # argmax ([len(rows), C] tensors: x_t after the step, the commit mask, the model's argmax) and
+    # argmax ([len(rows), C] tensors: x_t after the step, the commit mask, the model's argmax),
     # done ([len(rows)] bool: rows whose canvas ends at this step; the emitted canvas is `tokens`
-    # on the last step, `argmax` on an early stop). Streaming front-ends read it; an exception
-    # raised in it aborts sampling and propagates (how a server cancels a request). It draws
-    # nothing from the generator, so outputs are the same with or without it.
+    # on the last step, `argmax` on an early stop) and reused (the step reused the last forward's
+    # logits). Streaming front-ends read it; an exception raised in it aborts sampling and
+    # propagates (how a server cancels a request). It draws nothing from the generator, so
+    # outputs are the same with or without it.
     on_step: Callable[..., None] | None = None
 
     @property
@@ -185,7 +186,8 @@ class CanvasSampler:
             # committed positions can no longer change: the LM head runs on the open ones only
             open_ = ~state.committed if self.skip_committed and self.step.commits else None
             rows = d.active[running].tolist()
-            if last is not None and torch.equal(last[0], state.tokens):
+            reused = last is not None and torch.equal(last[0], state.tokens)
+            if reused:
                 logits = last[1]
             else:
                 if self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
@@ -224,7 +226,8 @@ class CanvasSampler:
             done = done | settled
             if self.on_step is not None:
                 self.on_step(canvas=k, step=i, t=float(grid[i]), rows=rows, tokens=state.tokens,
-                             committed=state.committed, argmax=logits.argmax(-1), done=done)
+                             committed=state.committed, argmax=logits.argmax(-1), done=done,
+                             reused=reused)
             if d.traj is not None:
                 argmax = logits.argmax(-1)
                 for j, r in enumerate(rows):

@@ -111,7 +111,7 @@ class RowSeeded:
                                       generator=self.generators[r], is_last=is_last)
                             for j, r in enumerate(self.running)])
 
-    def on_step(self, *, canvas, step, t, rows, tokens, committed, argmax, done) -> None:
+    def on_step(self, *, canvas, step, t, rows, tokens, committed, argmax, done, reused=False) -> None:
         """The hook to hand the sampler: keeps track of the rows, then calls the caller's hook."""
         flags = done.tolist()
         emitted = emitted_canvases(tokens, committed, argmax, last=step == self.num_steps - 1)

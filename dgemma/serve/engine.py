@@ -657,12 +657,12 @@ class Progress:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def __call__(self, *, canvas, step, t, rows, tokens, committed, argmax, done) -> None:
+    def __call__(self, *, canvas, step, t, rows, tokens, committed, argmax, done, reused=False) -> None:
         if self.job.cancel.is_set():
             raise Cancelled
         if canvas != self.canvas:
             self.canvas, self.forwards = canvas, self.forwards + 1  # the previous canvas's re-encode
-        self.forwards += 1
+        self.forwards += not reused  # a reused forward's logits cost no pass
         self.job.steps += 1
         toks, com, guess = tokens[0].tolist(), committed[0].tolist(), argmax[0].tolist()
         self.canvas_committed = sum(com)

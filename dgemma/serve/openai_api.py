@@ -459,7 +459,7 @@ def sample_work(engine: Engine, plan: Plan, job, *, chat: bool, model_id: str, s
                 emit("chunk", {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
 
-        def on_step(*, canvas, step, t, rows, tokens, committed, argmax, done) -> None:
+        def on_step(*, canvas, step, t, rows, tokens, committed, argmax, done, reused=False) -> None:
             if job.cancel.is_set():
                 raise Cancelled
             job.steps += 1

@@ -135,9 +135,11 @@ def test_browser_solves_a_puzzle_step_by_step(sudoku_checkpoint, live_server, tm
     final = snaps[-1]
     assert final["state"] == "done" and set(final["kinds"]) <= {"c", "k", "e"}
     assert all(final["digits"][i] == puzzle[i] and final["kinds"][i] == "c" for i in clues)
-    # the canvas ends at the step that commits its last cell: the 81st at the latest, one prefill more
+    # the canvas ends at the step that commits its last cell: the 81st at the latest; a prefill and
+    # one forward per step, less the steps after one that committed nothing (they reuse its logits)
     m = re.match(r"done · steps (\d+) · (\d+) forwards", status)
-    assert m and 60 < int(m[1]) <= 81 and int(m[2]) == int(m[1]) + 1 and verdict, status
+    blanks = puzzle.count("0")
+    assert m and 60 < int(m[1]) <= 81 and blanks // 2 < int(m[2]) <= min(int(m[1]), blanks) + 1 and verdict, status
     assert re.match(r"done · model alone: \d+ forwards, (valid|not valid) · verified: \d of up to 2 rounds, "
                     r"\d+ forwards", v_status), v_status
     assert re.search(r"^(verified|not solved): .* — model alone: ", v_verdict), v_verdict

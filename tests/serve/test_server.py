@@ -251,12 +251,15 @@ def test_solve_streams_every_step_then_the_board(client):
         assert len(d["cells"]) == 81
         assert all(d["cells"][i] == [PUZZLE[i], "clue"] for i in clues)  # the board always keeps the clues
         assert d["settled"] == sum(k == "committed" for _, k in d["cells"])
-    assert [d["step"] for d in steps] == list(range(1, n + 1)) and steps[-1]["forwards"] == n + 1
+    # a prefill, then a forward at each step whose canvas changed since the last (else its logits are reused)
+    settled = [len(clues)] + committed
+    fwd = 1 + sum(i == 0 or settled[i] > settled[i - 1] for i in range(n))
+    assert [d["step"] for d in steps] == list(range(1, n + 1)) and steps[-1]["forwards"] == fwd < n + 1
     assert len({json.dumps(d["cells"]) for d in steps}) > 2  # the board changes as it fills in
     assert {k for _, k in done["cells"]} <= {"clue", "committed", "empty"}
     s = done["stats"]
-    assert s["forward_passes"] == n + 1 and s["steps_used"] == [n]
-    assert s["tokens_per_forward"] == pytest.approx(81 / (n + 1), abs=1e-3)
+    assert s["forward_passes"] == fwd and s["steps_used"] == [n]
+    assert s["tokens_per_forward"] == pytest.approx(81 / fwd, abs=1e-3)
     assert isinstance(done["solved"], bool) and done["verdict"]
     status = client.get("/api/status").json()
     assert status["done"] == 1 and status["jobs"][0]["steps"] == n
@@ -301,8 +304,9 @@ def test_verified_solve_streams_its_rounds_and_matches_dgemma_solve(client, tiny
     assert "".join(d or "0" for d, _ in done["cells"]) == ref.grid
     rounds = [d for e, d in evs if e == "round"]
     assert [d["round"] for d in rounds] == list(range(1, ref.rounds + 1)) and v["renoised"] == [d["renoised"] for d in rounds]
-    # every forward pass of every round streamed a step, except each round's prefill
-    assert kinds.count("step") == ref.passes - (ref.rounds + 1)
+    # every forward pass of every round streamed a step, except each round's prefill; steps that
+    # reused the last forward's logits streamed too
+    assert kinds.count("step") >= ref.passes - (ref.rounds + 1)
     assert done["verdict"].startswith("verified:" if ref.valid else "not solved:")
     assert m["verdict"] and ("solved" in m["verdict"]) == ref.model_valid
     for bad in (-1, 33, "x"):
