@@ -151,10 +151,11 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--step-type", default="commit", help="ddim | commit | confidence | entropy_bound")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64, help="boards denoised together (a --file's puzzles)")
+    default_rounds, default_variants = _verify_defaults()
     parser.add_argument("--rounds", type=int, default=None,
-                        help="re-noising rounds for a board that breaks a rule (default: %d)" % _default_rounds())
+                        help="re-noising rounds for a board that breaks a rule (default: %d)" % default_rounds)
     parser.add_argument("--variants", type=int, default=None,
-                        help="re-runs a broken board tries per round, batched (default: %d)" % _default_variants())
+                        help="re-runs a broken board tries per round, batched (default: %d)" % default_variants)
     parser.add_argument("--no-verify", action="store_true", help="print the model's single answer, valid or not")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="inference dtype (auto: the run's training precision; the shipped model trained in fp32)")
@@ -186,8 +187,8 @@ def run(argv: list[str]) -> int:
         return _model_only(results)
     from dgemma.eval.sudoku_verify import solve_run
 
-    rounds = _default_rounds() if args.rounds is None else args.rounds
-    variants = _default_variants() if args.variants is None else args.variants
+    rounds = default_rounds if args.rounds is None else args.rounds
+    variants = default_variants if args.variants is None else args.variants
     solves = solve_run(run_, puzzles, rounds=rounds, num_steps=args.steps, step_type=args.step_type, seed=args.seed,
                        batch_size=args.batch_size, variants=variants)
     _timing(len(puzzles), t1 - t0, time.perf_counter() - t1, f"verified, up to {_rounds(rounds)}")
@@ -200,13 +201,8 @@ def _timing(n: int, load_s: float, solve_s: float, mode: str) -> None:
           f"{mode}) after loading the model in {load_s:.1f} s", file=sys.stderr)
 
 
-def _default_rounds() -> int:
-    from dgemma.eval.sudoku_verify import DEFAULT_ROUNDS
+def _verify_defaults() -> tuple[int, int]:
+    """Verified mode's default rounds and variants (imported late: the module needs torch)."""
+    from dgemma.eval.sudoku_verify import DEFAULT_ROUNDS, DEFAULT_VARIANTS
 
-    return DEFAULT_ROUNDS
-
-
-def _default_variants() -> int:
-    from dgemma.eval.sudoku_verify import DEFAULT_VARIANTS
-
-    return DEFAULT_VARIANTS
+    return DEFAULT_ROUNDS, DEFAULT_VARIANTS
