@@ -212,6 +212,13 @@ class CommitStep(StepRule):
     for the best": on Sudoku a position torn between two digits is not yet decided even when one
     of them has 0.6). Example: probabilities (0.6, 0.4, ...) and (0.5, 0.1, 0.1, ...) rank first and
     second by confidence, second and first by margin (0.2 against 0.4).
+
+    ``stable_first=False`` drops the first key: positions rank by the score alone. The key favours
+    a position whose confidence rose at the last step over a more confident one whose confidence
+    fell; on Sudoku at one commit a step, where a wrong board starts at one confident early choice,
+    ranking by confidence alone solved more hard boards (checkpoints/sudoku_deep/README.md).
+    Example: confidences (0.9, 0.8) after (0.95, 0.7) commit position 1 first with the key (its
+    confidence rose), position 0 without it.
     """
 
     commits = True  # committed positions are final: the sampler skips their vocabulary work
@@ -230,10 +237,11 @@ class CommitStep(StepRule):
 
     @classmethod
     def from_settings(cls, settings, noise) -> "CommitStep":
-        return cls(noise, temperature=settings.temperature, block=settings.commit_block, order=settings.commit_order)
+        return cls(noise, temperature=settings.temperature, block=settings.commit_block, order=settings.commit_order,
+                   stable_first=settings.commit_stable_first)
 
     def __init__(self, noise: NoiseProcess, schedule: Schedule | None = None, temperature: float = 0.0,
-                 block: int | None = None, order: str = "confidence"):
+                 block: int | None = None, order: str = "confidence", stable_first: bool = True):
         if block is not None and block < 1:
             raise DGemmaError(f"commit block must be >= 1 positions, got {block}")
         if order not in self.ORDERS:
@@ -243,6 +251,7 @@ class CommitStep(StepRule):
         self.temperature = _check_temperature(temperature)
         self.block = block
         self.order = order
+        self.stable_first = stable_first
 
     def __call__(
         self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
@@ -258,7 +267,7 @@ class CommitStep(StepRule):
         target = n_pin + torch.ceil(alpha_s * (width - n_pin) - 1e-6).long()  # pace the free positions only
         n_new = (target - state.committed.sum(-1)).clamp_min(0)
         score = (conf if self.order == "confidence" else _margin(logits, pred)).double()
-        if state.prev_pred is not None and state.prev_conf is not None:
+        if self.stable_first and state.prev_pred is not None and state.prev_conf is not None:
             stable = (pred == state.prev_pred) & (conf >= state.prev_conf)
             score = score + 2.0 * stable
         score = score.masked_fill(state.committed, -math.inf)

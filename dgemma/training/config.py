@@ -202,6 +202,7 @@ class EvalConfig:
     confidence_threshold: float = 0.9  # confidence step: commit every position with p above this
     commit_block: int | None = None  # commit step: semi-autoregressive sub-blocks of this many positions
     commit_order: Literal["confidence", "margin"] = "confidence"  # commit step: rank by p, or by p - runner-up's p
+    commit_stable_first: bool = True  # commit step: a position whose p rose at the last step ranks first
     entropy_bound: float = 0.1  # entropy_bound step: bound on the accepted positions' entropies (nats)
     stability_threshold: int = 1  # stable_confident stopping: steps the argmax canvas must stay unchanged
     stop_confidence_threshold: float = 0.005  # stable_confident stopping: mean entropy below this (nats)

@@ -226,6 +226,21 @@ def test_commit_by_margin_prefers_the_decided_position():
         CommitStep(noise, order="entropy")
 
 
+def test_commit_without_stable_first_ranks_by_confidence_alone():
+    """The docstring's example: confidences (0.9, 0.8) after (0.95, 0.7), the same predictions.
+    With the key position 1 commits first (its confidence rose), without it position 0."""
+    noise = AbsorbingNoise(MASK, LinearSchedule())
+    pred = torch.tensor([[0, 1]])
+    logits = conf_logits(torch.tensor([[0.9, 0.8]]), 8, pred)
+    state = state_of(torch.full((1, 2), MASK))
+    state.prev_pred, state.prev_conf = pred.clone(), torch.tensor([[0.95, 0.7]])
+    kw = dict(generator=gen(), is_last=False)
+    assert CommitStep(noise)(state, logits, 1.0, 0.5, **kw).committed.tolist() == [[False, True]]
+    alone = CommitStep(noise, stable_first=False)(state, logits, 1.0, 0.5, **kw)
+    assert alone.committed.tolist() == [[True, False]]
+    assert alone.tokens[0, 0].item() == 0
+
+
 # ---- confidence -------------------------------------------------------------------------------
 
 

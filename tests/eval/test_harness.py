@@ -300,7 +300,10 @@ def test_rule_settings_reach_step_and_stopping_rule(workdir, tmp_path):
     assert block["step_args"]["block"] == 9 and block["step_args"]["order"] == "confidence"
     _, margin = harness.build_sampler(load(workdir, "--cfg.eval_ds.commit_order=margin"), task, num_steps=2,
                                       step_type="commit", temperature=0.0, early_stopping=None)
-    assert margin["step_args"]["order"] == "margin"
+    assert margin["step_args"]["order"] == "margin" and margin["step_args"]["stable_first"] is True
+    _, alone = harness.build_sampler(load(workdir, "--cfg.eval_ds.commit_stable_first=false"), task, num_steps=2,
+                                     step_type="commit", temperature=0.0, early_stopping=None)
+    assert alone["step_args"]["stable_first"] is False
 
 
 def test_pinned_clues_reach_the_sampler(workdir):
