@@ -305,8 +305,9 @@ def test_verified_solve_streams_its_rounds_and_matches_dgemma_solve(client, tiny
     rounds = [d for e, d in evs if e == "round"]
     assert [d["round"] for d in rounds] == list(range(1, ref.rounds + 1)) and v["renoised"] == [d["renoised"] for d in rounds]
     # every forward pass of every round streamed a step, except each round's prefill; steps that
-    # reused the last forward's logits streamed too
+    # reused the last forward's logits streamed too, and the streamed forward count is exact
     assert kinds.count("step") >= ref.passes - (ref.rounds + 1)
+    assert [d for e, d in evs if e == "step"][-1]["forwards"] == ref.passes
     assert done["verdict"].startswith("verified:" if ref.valid else "not solved:")
     assert m["verdict"] and ("solved" in m["verdict"]) == ref.model_valid
     for bad in (-1, 33, "x"):
