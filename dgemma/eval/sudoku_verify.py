@@ -16,37 +16,46 @@ set) with ``checkpoints/sudoku_small``: a wrong board is not a few bad cells but
 commit forced them, and only 2-10 cells in duplicates. So neither the duplicates nor the least
 confident cells locate the error (re-noising both, greedily, solved 3 of 25 failures in 16
 rounds). The commit order does: the first wrong commit is no later than ``bound``, the earliest
-time by which some duplicate had both of its cells committed. Rounds 1-4 branch, later rounds
-resample:
+time by which some duplicate had both of its cells committed. So a round *branches*:
 
-- *branch*: the pivot is the least confident commit up to ``bound``; every cell
-  committed before it (duplicates excepted) stays pinned, the pivot is pinned to the model's own
-  runner-up digit there (its second choice at commit time), the rest is re-noised and decoded
-  greedily. Re-noising the pivot alone would be pointless: from the same pinned prefix a greedy
-  sampler makes the same choice again. A pivot once branched is not picked again while it stays
-  pinned, so the search moves on.
-- *resample*: every blank is re-noised and decoded at temperature 1 (the seeded generator): an
-  independent sample, for wrong branches that start at a confident commit, where branching at
-  the least confident cells keeps missing.
+- a branch of a decoded broken board picks a pivot among its commits up to ``bound`` and one of
+  the model's alternatives there (its second or third digit at commit time); every cell committed
+  before the pivot (duplicates excepted) stays pinned, the pivot is pinned to that digit, the
+  rest is re-noised and decoded greedily. Re-noising the pivot alone would be pointless: from the
+  same pinned prefix a greedy sampler makes the same choice again. A branch's own pin is not a
+  pivot again while it stays pinned.
+- the branches of every board decoded so far wait in one queue per puzzle
+  (:class:`BranchSearch`), cheapest first: a branch costs its parent's cost plus
+  ``log(p(committed digit) / p(alternative))``, the model's own doubt at the pivot. This is a
+  limited-discrepancy search: the board that overrules the model where it was least sure comes
+  first, whether that place is in the first board or in a re-run. Each round tries the
+  ``variants`` cheapest branches of each broken board side by side in one batch and keeps a
+  valid one; a puzzle that runs out of branches re-samples every blank at temperature 1 (the
+  seeded generator) instead.
 
-Solved of those 60 (35 model-only) after 1/2/4/8/16 rounds: branch alone 40/41/43/45/46,
-resample alone 37/39/40/44/49, branch then resample 40/41/43/48/50 with the fewest passes. The
-table for the eval's held-out hard puzzles and the chosen default are in
-``checkpoints/sudoku_small/README.md`` ("Verified solving").
+History, measured with ``checkpoints/sudoku_deep`` (step 3,000), 8 rounds of 8 variants. The
+earlier rule took, in rounds 1-4, the 1st ... 8th least confident commit of the last round's best
+board (runner-up digit only) and in rounds 5-8 eight draws at T = 1; its best variant became the
+next round's board, so a right branch that broke a rule elsewhere was lost. On 384 fresh hard
+puzzles (``generate_puzzles(384, seed=2718, difficulty="hard")``, 333 model-only) it verified 374
+in 197 passes a board; the queue verifies 383 in 127. Of the 44 model-only failures among the 768
+held-out boards it left 2 unsolved, the queue none (offering all eight other digits instead of
+two: 2 unsolved). At the first wrong commit of those 44 boards the right digit was the model's
+runner-up in 42. The issue's 21-clue puzzle
+(``800000000003600000070090200050007000000045700000100030001000068008500010090000400``) takes 17
+rounds (4,000 passes, 52 s at batch 1).
 
-Variants. A round tries ``variants`` re-runs of each broken board side by side in one batch (a
-branch: the 1st, 2nd, ... least confident pivot; a resample: independent draws) and keeps a
-valid one, else the one with the fewest broken cells. Measured on the 256 held-out hard puzzles
-with ``checkpoints/sudoku_wide`` (167 model-only), solved after 8 rounds: 1 variant 227 (223 with
-the legal-digit rule), 8 variants 249 (251 with it, 340 passes a board on average), 16 variants
-253 (594 passes); 8 variants for 16 rounds 253 (396 passes). Wider rounds find the branch a
-narrow one misses in fewer rounds; the rule changes little on its own.
+Variants. Measured on the 256 held-out hard puzzles with ``checkpoints/sudoku_wide`` (167
+model-only) and the earlier rule, solved after 8 rounds: 1 variant 227 (223 with the
+legal-digit rule), 8 variants 249 (251 with it, 340 passes a board on average), 16 variants 253
+(594 passes); 8 variants for 16 rounds 253 (396 passes). Wider rounds find the branch a
+narrow one misses in fewer rounds.
 
 Cost: a round runs one denoising step per re-noised cell, rounded up to a multiple of 8 and
 capped at the sampler's ``num_steps`` (one cell per step or fewer, as round 0 at 81 steps);
-rows that round alike share one sampler call. A branch round's steps depend on the row alone;
-the resample rounds draw from the one seeded generator, so, as with any sampling at T > 0, their
-draws depend on the batch (same puzzles, batch size and seed: same answers). Passes are the
+rows that round alike share one sampler call. A branch's steps depend on the row alone;
+re-samples draw from the one seeded generator, so, as with any sampling at T > 0, their draws
+depend on the batch (same puzzles, batch size and seed: same answers). Passes are the
 sampler's forward passes (a prefill plus one per step), summed over rounds and variants.
 """
 
@@ -54,6 +63,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -146,16 +157,18 @@ def offending_cells(grid: str, puzzle: str) -> set[int]:
 # ------------------------------------------------------------------------------------ recording
 class _Log:
     """Per row and cell: token, commit time (rank), the model's probability of the committed
-    digit, its runner-up digit and that one's probability, and whether a branch pinned it."""
+    digit, its next ``ALTS`` digits and their probabilities (best first), and whether a branch
+    pinned it."""
 
     FIELDS = ("tokens", "rank", "conf", "alt", "altp", "forced")
+    ALTS = 2  # a branch pins the runner-up or the third choice (all eight: fewer boards solved)
 
     def __init__(self, n: int):
         self.tokens = torch.full((n, 81), -1, dtype=torch.long)
         self.rank = torch.zeros(n, 81, dtype=torch.float64)
         self.conf = torch.zeros(n, 81)
-        self.alt = torch.full((n, 81), -1, dtype=torch.long)
-        self.altp = torch.zeros(n, 81)
+        self.alt = torch.full((n, 81, self.ALTS), -1, dtype=torch.long)
+        self.altp = torch.zeros(n, 81, self.ALTS)
         self.forced = torch.zeros(n, 81, dtype=torch.bool)
 
     def take(self, rows: list[int]) -> "_Log":
@@ -202,7 +215,7 @@ def legal_logits(logits: torch.Tensor, tokens: torch.Tensor, committed: torch.Te
 
 class _Tap:
     """A sampler step wrapped to report, after each call, the cells it committed and the model's
-    top-two digits there (the step's own attributes pass through, so the sampler treats it as the
+    next digits there (the step's own attributes pass through, so the sampler treats it as the
     step). A step that commits nothing (ddim, entropy_bound) reports every open cell at its last
     step. The sampler's ``on_step`` hook reads the report: it knows which rows ran. With
     ``legal``, the step sees :func:`legal_logits` (the verified rounds decode within the rules)."""
@@ -227,8 +240,8 @@ class _Tap:
             probs = torch.softmax(logits.float(), -1)  # the model's own probabilities, untempered
             chosen = probs.gather(-1, out.tokens.unsqueeze(-1)).squeeze(-1)
             digits = probs[..., self.digit_ids].masked_fill(self.digit_ids == out.tokens.unsqueeze(-1), -1.0)
-            altp, k = digits.max(-1)
-            self.last = (new, chosen, self.digit_ids[k], altp)
+            altp, k = digits.topk(_Log.ALTS, -1)  # [B, 81, ALTS] the next digits, best first
+            self.last = (new, chosen, self.digit_ids[k], altp.clamp(min=0.0))
         return out
 
 
@@ -262,8 +275,8 @@ def _sample(model, sampler, digit_ids, prompt, hints, generator, log: _Log, rows
         new, chosen, alt, altp = (x.cpu() for x in tap.last)
         r = index[torch.tensor(kw["rows"], dtype=torch.long)]
         log.conf[r] = torch.where(new, chosen, log.conf[r])
-        log.alt[r] = torch.where(new, alt, log.alt[r])
-        log.altp[r] = torch.where(new, altp, log.altp[r])
+        log.alt[r] = torch.where(new[..., None], alt, log.alt[r])
+        log.altp[r] = torch.where(new[..., None], altp, log.altp[r])
         log.rank[r] = torch.where(new, base[r, None] + kw["step"], log.rank[r])
         log.forced[r] &= ~new  # re-decided by the model: no longer a branch's pin
 
@@ -286,40 +299,92 @@ class Plan(NamedTuple):
     rule: str  # "branch" | "resample"
 
 
-BRANCH_ROUNDS = 4  # rounds 1..4 branch, later ones resample
+class Branch(NamedTuple):
+    """A branch not yet tried: pin ``token`` at ``pivot`` of a decoded board (``parent``)."""
+
+    cost: float  # the discrepancies so far: sum of log(p(model's digit) / p(pinned digit))
+    order: int  # ties: the order found
+    parent: int  # index of the decoded board it branches from
+    pivot: int
+    token: int
 
 
-def _rule(k: int) -> str:
-    return "branch" if k <= BRANCH_ROUNDS else "resample"
+def resample_plan(puzzle: str, log: _Log, row: int) -> Plan:
+    """Every blank re-noised (the clues pinned): an independent draw."""
+    return Plan([int(log.tokens[row, i]) if puzzle[i] != "0" else -1 for i in range(81)], 0.0, None, "resample")
 
 
-def plan_round(rule: str, puzzle: str, grid: str, log: _Log, row: int, choice: int = 0) -> Plan:
-    """The pins of one broken board's next round (the module docstring says why these).
-    ``choice`` picks a branch's pivot: 0 the least confident candidate, 1 the next, and so on
-    (a round that tries several variants gives each its own)."""
+def branch_options(puzzle: str, grid: str, log: _Log, row: int) -> list[tuple[float, int, int]]:
+    """``(cost, cell, token)`` of every branch of a broken decoded board: each cell committed no
+    later than the first completed duplicate (the first wrong commit is among them) and not itself
+    a branch's pin, with each of its alternative digits; the cost is ``log(p(committed) / p(alt))``,
+    so the branches the model found closest come first."""
     clue = [ch != "0" for ch in puzzle]
-    tokens, rank, conf = log.tokens[row], log.rank[row], log.conf[row]
+    rank, conf = log.rank[row], log.conf[row]
     free = [i for i in range(81) if not clue[i]]
-    if rule == "resample":
-        return Plan([int(tokens[i]) if clue[i] else -1 for i in range(81)], 0.0, None, rule)
-    groups = duplicate_groups(grid)
     bound = math.inf  # the first wrong commit happened no later than this
-    for g in groups:
+    for g in duplicate_groups(grid):
         ranks = [float(rank[i]) for i in g if not clue[i]]
         if ranks:
             bound = min(bound, max(ranks))
     upto = [i for i in free if float(rank[i]) <= bound]
-    cands = [i for i in upto if not log.forced[row, i]] or upto or free
-    ordered = sorted(cands, key=lambda i: (float(conf[i]), float(rank[i])))
-    pivot = ordered[choice % len(ordered)]
-    bad = {i for g in groups for i in g}
-    pins = [int(tokens[i]) if clue[i] or (float(rank[i]) < float(rank[pivot]) and i not in bad) else -1
+    out = []
+    for i in upto:
+        if log.forced[row, i]:
+            continue
+        for a in range(_Log.ALTS):
+            tok, p = int(log.alt[row, i, a]), float(log.altp[row, i, a])
+            if tok >= 0 and p > 0 and tok != int(log.tokens[row, i]):
+                out.append((math.log(max(float(conf[i]), 1e-30)) - math.log(p), i, tok))
+    return sorted(out, key=lambda o: (o[0], float(rank[o[1]])))
+
+
+def branch_plan(puzzle: str, grid: str, log: _Log, row: int, pivot: int, token: int) -> Plan:
+    """The pins of a branch: the clues, every cell committed before ``pivot`` except those in a
+    duplicate, and ``token`` at ``pivot``; the rest is re-noised."""
+    rank, tokens = log.rank[row], log.tokens[row]
+    bad = {i for g in duplicate_groups(grid) for i in g}
+    pins = [int(tokens[i]) if puzzle[i] != "0" or (float(rank[i]) < float(rank[pivot]) and i not in bad) else -1
             for i in range(81)]
-    if int(log.alt[row, pivot]) >= 0:
-        pins[pivot] = int(log.alt[row, pivot])
-    else:
-        pivot = None
-    return Plan(pins, float(rank[pivot]) + 1 if pivot is not None else 0.0, pivot, rule)
+    pins[pivot] = token
+    return Plan(pins, float(rank[pivot]) + 1, pivot, "branch")
+
+
+class BranchSearch:
+    """One broken puzzle's search tree: the boards decoded so far and the branches not yet tried,
+    cheapest first (a limited-discrepancy search: a branch's cost is the sum of
+    :func:`branch_options`' costs along its path, so every path that departs from the model's
+    greedy choices where it was least sure is tried before one that overrules a confident choice).
+
+    Example: a root board whose cell 10 was committed at p = 0.6 with runner-up 0.3 (cost
+    log 2 = 0.69) and cell 20 at 0.9 with 0.05 (2.9). Branching at 10 decodes a board whose cell 30
+    was committed at 0.5 after 0.4 (0.22): its branch costs 0.69 + 0.22 = 0.91 and is tried before
+    cell 20's.
+    """
+
+    def __init__(self, puzzle: str):
+        self.puzzle, self.boards, self.frontier, self.tried = puzzle, [], [], set()
+        self.order = itertools.count()
+
+    def add(self, log: _Log, row: int, grid: str, cost: float = 0.0) -> None:
+        """Queue the branches of a decoded broken board (``log``'s ``row``) reached at ``cost``."""
+        node = len(self.boards)
+        self.boards.append((log.take([row]), grid))
+        for c, cell, tok in branch_options(self.puzzle, grid, log, row):
+            heapq.heappush(self.frontier, Branch(cost + c, next(self.order), node, cell, tok))
+
+    def pop(self, k: int) -> list[tuple[Plan, _Log, float]]:
+        """Up to ``k`` cheapest untried branches: their plan, their parent's log row, their cost.
+        Two paths that pin the same cells alike are one branch: it is tried once."""
+        out = []
+        while self.frontier and len(out) < k:
+            b = heapq.heappop(self.frontier)
+            src, grid = self.boards[b.parent]
+            plan = branch_plan(self.puzzle, grid, src, 0, b.pivot, b.token)
+            if tuple(plan.pins) not in self.tried:
+                self.tried.add(tuple(plan.pins))
+                out.append((plan, src, b.cost))
+        return out
 
 
 def round_steps(free: int, num_steps: int) -> int:
@@ -399,43 +464,50 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
         step.temperature = RESAMPLE_TEMPERATURE
         resampler = dataclasses.replace(sampler, step=step)
     grids = list(model_grids)
+    trees = {r: BranchSearch(puzzles[r]) for r in range(n) if not is_solution(grids[r], puzzles[r])}
+    for r, tree in trees.items():
+        tree.add(log, r, grids[r])
     for k in range(1, rounds + 1):
         todo = [r for r in range(n) if not is_solution(grids[r], puzzles[r])]
         if not todo:
             break
-        rule = _rule(k)
-        # each broken board tries `variants` re-runs (a branch: its 1st, 2nd, ... least confident
-        # pivot; a resample: independent draws), one scratch row each, batched together; board
-        # todo[t]'s variants are scratch rows t * variants ... (t + 1) * variants - 1
-        pairs = [(r, v) for r in todo for v in range(variants)]
-        plans = {(r, v): plan_round(rule, puzzles[r], grids[r], log, r, choice=v) for r, v in pairs}
+        # each broken board tries `variants` re-runs: its cheapest untried branches, then
+        # independent draws if it has too few; one scratch row each, batched together; board
+        # todo[t]'s re-runs are scratch rows t * variants ... (t + 1) * variants - 1
+        pairs, plans, srcs, costs = [], [], [], []
+        for r in todo:
+            picks = trees[r].pop(variants)
+            picks += [(resample_plan(puzzles[r], log, r), log.take([r]), 0.0)] * (variants - len(picks))
+            for plan, src, cost in picks:
+                pairs.append(r), plans.append(plan), srcs.append(src), costs.append(cost)
         if on_round is not None:
-            on_round(k, todo, [plans[(r, 0)] for r in todo])
-        scratch = log.take([r for r, _ in pairs])
+            on_round(k, todo, [plans[t * variants] for t in range(len(todo))])
+        scratch = _Log(len(pairs))
         sbase = torch.zeros(len(pairs), dtype=torch.float64)
-        for j, (r, v) in enumerate(pairs):
-            plan = plans[(r, v)]
+        for j, plan in enumerate(plans):
+            scratch.put(j, srcs[j], 0)
             sbase[j] = plan.base
-            if plan.pivot is not None:  # the runner-up is pinned there; the old digit becomes its alternative
-                c = plan.pivot
+            if plan.pivot is not None:  # pinned there; the old digit becomes its alternative
+                c, tok = plan.pivot, plan.pins[plan.pivot]
+                p = float(scratch.altp[j, c][scratch.alt[j, c] == tok].sum())
                 scratch.forced[j, c] = True
-                scratch.alt[j, c], scratch.conf[j, c], scratch.altp[j, c] = (
-                    int(scratch.tokens[j, c]), float(scratch.altp[j, c]), float(scratch.conf[j, c]))
-        free = [sum(p < 0 for p in plans[pair].pins) for pair in pairs]  # re-noised cells of each re-run
-        groups: dict[int, list[int]] = {}
+                scratch.alt[j, c, 0], scratch.altp[j, c, 0] = int(scratch.tokens[j, c]), float(scratch.conf[j, c])
+                scratch.conf[j, c] = p
+        free = [sum(p < 0 for p in plan.pins) for plan in plans]  # re-noised cells of each re-run
+        groups: dict[tuple[int, str], list[int]] = {}
         for j, f in enumerate(free):
-            groups.setdefault(round_steps(f, sampler.num_steps), []).append(j)
+            groups.setdefault((round_steps(f, sampler.num_steps), plans[j].rule), []).append(j)
         spent = {r: [0, 0.0] for r in todo}  # passes and seconds of all of a board's variants
-        for steps, members in sorted(groups.items()):
+        for (steps, how), members in sorted(groups.items()):
             for lo in range(0, len(members), batch_size):
                 rows = members[lo:lo + batch_size]
-                s = sampler if rule == "branch" else resampler
-                res = _sample(model, s, digit_ids, prompt([pairs[j][0] for j in rows]),
-                              hints_of([plans[pairs[j]].pins for j in rows]), gen, scratch, rows, sbase, steps, legal)
+                s = sampler if how == "branch" else resampler
+                res = _sample(model, s, digit_ids, prompt([pairs[j] for j in rows]),
+                              hints_of([plans[j].pins for j in rows]), gen, scratch, rows, sbase, steps, legal)
                 for i, j in enumerate(rows):
-                    spent[pairs[j][0]][0] += res.forward_passes[i]
-                    spent[pairs[j][0]][1] += res.seconds / len(rows)
-        for t, r in enumerate(todo):  # keep a valid variant if any, else the one with the fewest broken cells
+                    spent[pairs[j]][0] += res.forward_passes[i]
+                    spent[pairs[j]][1] += res.seconds / len(rows)
+        for t, r in enumerate(todo):  # keep a valid re-run if any, else the one with the fewest broken cells
             cands = range(t * variants, (t + 1) * variants)
             boards = {j: _grid(scratch.tokens[j], digit_ids) for j in cands}
             best = min(cands, key=lambda j: (not is_solution(boards[j], puzzles[r]),
@@ -448,6 +520,10 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
             seconds[r] += spent[r][1]
             round_passes[r].append(spent[r][0])
             grids[r] = boards[best]
+            if not is_solution(grids[r], puzzles[r]):
+                for j in cands:
+                    if plans[j].rule == "branch":
+                        trees[r].add(scratch, j, boards[j], costs[j])
     return [VerifiedSolve(puzzles[r], grids[r], is_solution(grids[r], puzzles[r]), used[r], passes[r], seconds[r],
                           model_grids[r], is_solution(model_grids[r], puzzles[r]), model_passes[r], model_seconds[r],
                           texts[r], renoised[r], round_passes[r]) for r in range(n)]

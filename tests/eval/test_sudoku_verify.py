@@ -11,8 +11,9 @@ from dgemma.data.char_tokenizer import CharTokenizer
 from dgemma.data.sudoku import generate_puzzles
 from dgemma.diffusion.sampler import SampleResult
 from dgemma.errors import DGemmaError
-from dgemma.eval.sudoku_verify import (duplicate_groups, evaluate_verified, is_solution, legal_logits,
-                                       offending_cells, solution_error, solve_run, solve_verified, summarize)
+from dgemma.eval.sudoku_verify import (BranchSearch, _Log, branch_options, duplicate_groups, evaluate_verified,
+                                       is_solution, legal_logits, offending_cells, solution_error, solve_run,
+                                       solve_verified, summarize)
 
 REC = generate_puzzles(1, seed=3, difficulty="medium")[0]
 PUZZLE, SOLUTION = REC["puzzle"], REC["solution"]
@@ -57,6 +58,79 @@ def test_legal_logits_rule_out_what_a_committed_peer_holds():
     assert ok(9) == ["4", "5", "6", "7", "8"]  # row 2, box 1: 1-3 in its box, 9 in its row
     assert ok(80) == list("12345678")  # column 9 holds the 9
     assert ok(40) == list("12346789")  # the centre: column 5 holds the 5; non-digit tokens are ruled out too
+
+
+# ------------------------------------------------------------------------------ the branch search
+def _decoded(grid: str) -> _Log:
+    """A log of ``grid`` decoded blank by blank in cell order, the cells of its duplicates last,
+    each digit at p = 0.999 with a runner-up at 0.0005 and a third choice at 0.0004."""
+    log = _Log(1)
+    log.tokens[0] = torch.tensor(TOK.encode(grid))
+    dup = {i for g in duplicate_groups(grid) for i in g}
+    blanks = sorted((i for i in range(81) if PUZZLE[i] == "0"), key=lambda i: (i in dup, i))
+    for t, i in enumerate(blanks):
+        log.rank[0, i] = t + 1
+        log.conf[0, i] = 0.999
+        other = [d for d in "123456789" if d != grid[i]]
+        log.alt[0, i] = torch.tensor(TOK.encode(other[0] + other[1]))
+        log.altp[0, i] = torch.tensor([0.0005, 0.0004])
+    return log
+
+
+def _set(log, cell, conf, alts):
+    log.conf[0, cell] = conf
+    log.alt[0, cell] = torch.tensor(TOK.encode("".join(d for d, _ in alts)))
+    log.altp[0, cell] = torch.tensor([p for _, p in alts])
+
+
+def test_branches_lie_before_the_first_duplicate_cheapest_first_third_choices_too():
+    import math
+
+    bad = _broken(SOLUTION)
+    dup = {i for g in duplicate_groups(bad) for i in g}
+    blanks = [i for i in range(81) if PUZZLE[i] == "0"]
+    x, y = [i for i in blanks if i not in dup][1:3]
+    log = _decoded(bad)
+    bound = min(max(float(log.rank[0, i]) for i in g if PUZZLE[i] == "0") for g in duplicate_groups(bad))
+    _set(log, x, 0.6, [("8", 0.3), ("9", 0.1)])
+    _set(log, y, 0.9, [("7", 0.05), ("6", 0.04)])
+    opts = branch_options(PUZZLE, bad, log, 0)
+    upto = {i for i in blanks if log.rank[0, i] <= bound}
+    assert {cell for _, cell, _ in opts} == upto and len(upto) < len(blanks)  # up to the first duplicate
+    assert opts[0][1:] == (x, TOK.encode("8")[0]) and opts[0][0] == pytest.approx(math.log(2))
+    assert opts[1][1:] == (x, TOK.encode("9")[0]) and opts[1][0] == pytest.approx(math.log(6))  # the third choice
+    assert opts[2][1:] == (y, TOK.encode("7")[0])
+    log.forced[0, x] = True  # a branch's pin is not branched again
+    assert x not in {cell for _, cell, _ in branch_options(PUZZLE, bad, log, 0)}
+
+
+def test_branch_search_tries_the_cheapest_path_across_the_tree_once():
+    """The class docstring's example: a child's cheap branch comes before a root's dear one."""
+    import math
+
+    bad = _broken(SOLUTION)
+    dup = {i for g in duplicate_groups(bad) for i in g}
+    blanks = [i for i in range(81) if PUZZLE[i] == "0" and i not in dup]  # the duplicates are decoded last
+    x, y, z = blanks[1:4]
+    root = _decoded(bad)
+    _set(root, x, 0.6, [("8", 0.3), ("9", 0.01)])
+    _set(root, y, 0.9, [("7", 0.05), ("6", 0.01)])
+    search = BranchSearch(PUZZLE)
+    search.add(root, 0, bad)
+    (plan, src, cost), = search.pop(1)
+    assert plan.pivot == x and plan.pins[x] == TOK.encode("8")[0] and cost == pytest.approx(math.log(2))
+    clue = TOK.encode(PUZZLE)
+    assert plan.pins == [clue[i] if PUZZLE[i] != "0" else int(root.tokens[0, i]) if i == blanks[0] else
+                         TOK.encode("8")[0] if i == x else -1 for i in range(81)]  # the prefix before x is kept
+    child = _decoded(bad)
+    child.forced[0, x] = True
+    _set(child, z, 0.5, [("5", 0.4), ("4", 0.05)])
+    search.add(child, 0, bad, cost)
+    (plan, _, cost), = search.pop(1)
+    assert plan.pivot == z and cost == pytest.approx(math.log(2) + math.log(0.5 / 0.4))
+    search.add(child, 0, bad, cost)  # the same board again: its branches pin nothing new
+    seen = [tuple(p.pins) for p, _, _ in search.pop(1000)]
+    assert len(seen) == len(set(seen)) and not search.frontier
 
 
 # ------------------------------------------------------------------------------ scripted sampler
