@@ -4,7 +4,8 @@ The default checkpoint is the one shipped in ``checkpoints/sudoku_deep`` (``dgem
 trained by ``configs/sudoku_deep.py``); ``--checkpoint DIR`` takes any Sudoku workdir (for example
 ``checkpoints/sudoku_small``, the quickstart recipe's). Input is validated
 first (length, characters, contradictory clues). By default every board is verified against the
-rules and clues and, where it breaks one, re-noised and re-sampled up to ``--rounds`` times, ``--variants`` re-runs a round
+rules and clues and, where it breaks one, re-run from its doubtful early commits (a branch search)
+up to ``--rounds`` rounds, ``--variants`` re-runs a round
 (``dgemma/eval/sudoku_verify.py``): a board is printed only once it is checked valid, and a
 puzzle still broken after the last round is reported unsolved, never shown as an answer.
 ``--no-verify`` prints the model's single answer with its verdict, valid or not.
