@@ -22,7 +22,8 @@ has the measurements):
   thread), and a weight average (``train.ema=0.998``), evaluated instead of the raw weights.
 - decoding ranks cells by confidence alone (``eval_ds.commit_stable_first=False``, set after
   training, 2026-12-03): at step 3,000 it solved 214 hard boards against 211 with the commit
-  step's default ranking, 254 medium against 253, and took 108 passes a board verified against 125.
+  step's default ranking, 254 medium against 253, and took 108 passes a board verified against 125
+  (the verified rule of that day, before the branch search).
 
 The shipped checkpoint is the schedule's end, step 3,000: 100 / 99.2 / 83.6% of easy / medium /
 hard held-out boards model only (100 / 98.8 / 82.4% with the default ranking; step 2,500: 100 /

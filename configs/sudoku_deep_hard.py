@@ -19,8 +19,9 @@ has the measurements that motivate them):
 
 Measured (checkpoints/sudoku_deep_hard/README.md, 2026-12-03): at step 2,000, 100 / 99.2 / 85.2% of
 easy / medium / hard held-out boards model only (the source: 100 / 99.2 / 83.6%), but the same 333
-of 384 fresh hard puzzles as the source and 761 of 768 boards verified against its 766: committed,
-not the default solver.
+of 384 fresh hard puzzles as the source; verified with the branch search, 768 of 768 boards (two
+need 14 rounds, the source at most 6) and 382 of the fresh hard puzzles against the source's 383:
+committed, not the default solver.
 
     dgemma train --cfg=configs/sudoku_deep_hard.py --cfg.workdir=runs/sudoku_deep_hard
     dgemma eval --task=sudoku --cfg.workdir=runs/sudoku_deep_hard

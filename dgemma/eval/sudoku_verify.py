@@ -489,12 +489,8 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
         for j, plan in enumerate(plans):
             scratch.put(j, srcs[j], 0)
             sbase[j] = plan.base
-            if plan.pivot is not None:  # pinned there; the old digit becomes its alternative
-                c, tok = plan.pivot, plan.pins[plan.pivot]
-                p = float(scratch.altp[j, c][scratch.alt[j, c] == tok].sum())
-                scratch.forced[j, c] = True
-                scratch.alt[j, c, 0], scratch.altp[j, c, 0] = int(scratch.tokens[j, c]), float(scratch.conf[j, c])
-                scratch.conf[j, c] = p
+            if plan.pivot is not None:  # a branch's pin: never a pivot again while pinned
+                scratch.forced[j, plan.pivot] = True
         free = [sum(p < 0 for p in plan.pins) for plan in plans]  # re-noised cells of each re-run
         groups: dict[tuple[int, str], list[int]] = {}
         for j, f in enumerate(free):
