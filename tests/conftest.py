@@ -17,7 +17,7 @@ def _seed():
 
 
 # ------------------------------------------------------------- tiny models the serving and lm-eval tests share
-def train_tiny_sudoku(workdir: Path) -> Path:
+def train_tiny_sudoku(workdir: Path, *extra: str) -> Path:
     """A 1-layer Sudoku run of 10 steps at a high rate: far from solving, but a real workdir that
     load_run opens, and trained enough to fill the canvas with digits rather than stop tokens."""
     from dgemma.training.config import parse_cli
@@ -27,7 +27,7 @@ def train_tiny_sudoku(workdir: Path) -> Path:
     cfg, _ = parse_cli([f"--cfg={REPO / 'configs' / 'sudoku_small.py'}", f"--cfg.workdir={workdir}",
                         "--cfg.train.steps=10", "--cfg.train.checkpoint_every=10", "--cfg.model.num_hidden_layers=1",
                         '--cfg.model.layer_types=["full_attention"]', "--cfg.data.batch_size=8",
-                        "--cfg.optim.warmup_steps=0", "--cfg.optim.lr=1e-2", "--cfg.data.pin_clues=true"])
+                        "--cfg.optim.warmup_steps=0", "--cfg.optim.lr=1e-2", "--cfg.data.pin_clues=true", *extra])
     try:
         train(cfg)
     finally:

@@ -16,6 +16,7 @@ VERBS = {
     "eval": "dgemma.cli.eval",
     "plot": "dgemma.cli.plot",
     "export": "dgemma.cli.export",
+    "average": "dgemma.cli.average",
     "bench": "dgemma.cli.bench",
     "serve": "dgemma.cli.serve",
     "lm-eval": "dgemma.cli.lm_eval",
