@@ -79,7 +79,7 @@ def average_runs(workdirs: list[str | Path], out: str | Path, *, weights: list[f
             raise DGemmaError(f"integer tensor {name} differs between runs; it cannot be averaged")
     for run, w, workdir in zip(runs, weights, workdirs):
         files = ckpt.load_checkpoint(run.path, verify=False)["meta"]["files"]
-        sources.append({"workdir": str(Path(workdir).resolve()), "step": run.step, "weight": w,
+        sources.append({"workdir": str(workdir), "step": run.step, "weight": w,
                         "weights": run.weights, "model_sha256": files[ckpt.MODEL_FILE]["sha256"]})
 
     cfg = dataclasses.replace(runs[0].cfg, workdir=str(out))
