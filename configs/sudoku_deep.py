@@ -1,4 +1,4 @@
-"""The shipped Sudoku solver made deeper: ``configs/sudoku_wide.py``'s 4-layer width-128 model,
+"""The width-128 Sudoku solver made deeper: ``configs/sudoku_wide.py``'s 4-layer width-128 model,
 warm-started from its step-5,000 weights into 8 layers and trained on puzzles with exactly one
 solution only.
 
@@ -25,7 +25,8 @@ has the measurements):
   step's default ranking, 254 medium against 253, and took 108 passes a board verified against 125
   (the verified rule of that day, before the branch search).
 
-The shipped checkpoint is the schedule's end, step 3,000: 100 / 99.2 / 83.6% of easy / medium /
+The committed checkpoint (checkpoints/sudoku_deep, half of the shipped weight average
+checkpoints/sudoku_avg) is the schedule's end, step 3,000: 100 / 99.2 / 83.6% of easy / medium /
 hard held-out boards model only (100 / 98.8 / 82.4% with the default ranking; step 2,500: 100 /
 99.6 / 80.1%; the source: 100 / 98.0 / 65.2%).
 

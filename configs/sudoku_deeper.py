@@ -14,7 +14,7 @@ Deviations from ``configs/sudoku_deep.py``, each with its reason:
 Measured, not shipped (2026-12-03, 2 threads, 3.3 s a step, 72 min): hard held-out boards solved
 model only (81 steps, weight average, the 256 hard ones of the 768) at steps 400 / 600 / 1,000 /
 1,200: 74.6 / 81.6 / 79.3 / 80.1%, against 82.4% for the source at step 0. The doubled depth did
-not pay within this schedule, so ``checkpoints/sudoku_deep`` (step 3,000) stays the shipped solver.
+not pay within this schedule, so ``checkpoints/sudoku_deep`` (step 3,000) stayed the shipped solver.
 
     dgemma train --cfg=configs/sudoku_deeper.py --cfg.workdir=runs/sudoku_deeper
     dgemma eval --task=sudoku --cfg.workdir=runs/sudoku_deeper

@@ -8,10 +8,10 @@ pinned in the canvas (infilling: never noised, scored or resampled) and the loss
 cells only (MDLM), the two choices docs/design.md §11 found mattered most after the noise process. Every
 canvas cell also gets learned row, column and box embeddings (``model.canvas_position_groups``
 from ``dgemma.data.sudoku.structure_groups``): rotary positions alone cannot tell a cell where
-it sits on the board, and this was docs/design.md §11's largest single gain. 3,000 steps of batch 64 took
-14 min 24 s on the idle 2-core CPU (2 threads, measured end to end, 2026-12-02) and solve 82.4% of
-768 held-out boards (99.6% easy, 94.9% medium, 52.7% hard; 84.1% in an earlier run: README.md).
-The shipped solver is the wider ``configs/sudoku_wide.py``.
+it sits on the board, and this was docs/design.md §11's largest single gain. 3,000 steps of batch
+64 took 14 min 29 s on the idle 2-core CPU (2 threads, measured end to end, 2026-12-04; 14 min 24 s
+on 2026-12-02) and solve 82.4% of 768 held-out boards (99.6% easy, 94.9% medium, 52.7% hard; 84.1%
+in an earlier run: README.md). The shipped solver is wider and deeper (checkpoints/sudoku_avg).
 
     dgemma prepare sudoku --out data/sudoku --n 768 --seed 1
     dgemma train --cfg=configs/sudoku_small.py --cfg.workdir=runs/sudoku_small

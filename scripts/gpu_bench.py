@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/gpu", help="folder for gpu.json (default: results/gpu)")
     p.add_argument("--budget", type=float, default=None, help="seconds for the suites together (default 420)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs")
-    p.add_argument("--sudoku-workdir", default=None, help="trained Sudoku run (default: checkpoints/sudoku_deep)")
+    p.add_argument("--sudoku-workdir", default=None, help="trained Sudoku run (default: checkpoints/sudoku_avg)")
     args = p.parse_args(argv)
 
     import torch

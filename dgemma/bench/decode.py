@@ -9,7 +9,7 @@ Two models:
    prompt is recomputed at every step; compared with the cached sampler at a longer prompt,
    ``nocache_prompt_len``), at batch 1 and batch 16. Every prompt row has the same
    length and no stop token ends a row early, so every method emits the same number of tokens.
-2. **The trained Sudoku model** (``--sudoku-workdir``, default ``checkpoints/sudoku_deep``):
+2. **The trained Sudoku model** (``--sudoku-workdir``, default ``checkpoints/sudoku_avg``):
    the same comparison with ``accuracy`` / ``cell_accuracy`` next to the speed, on generated
    unique puzzles, with the run's own sampler settings (``dgemma.eval.harness.build_sampler``).
    Skipped with a note when the run does not exist.

@@ -6,8 +6,8 @@
   random init of the same architecture and say so: speed does not depend on the weights' values
   (early stopping does, which is why the Sudoku model carries the quality side).
 - ``tiny``: a random 2-layer Gemma 3 for ``--quick`` (seconds, no download).
-- the Sudoku workdir: a trained ``configs/sudoku_deep.py``, ``sudoku_wide.py`` or ``sudoku_small.py`` run, opened
-  with ``load_run``.
+- the Sudoku workdir: a trained ``configs/sudoku_deep.py``, ``sudoku_wide.py`` or ``sudoku_small.py`` run
+  (or a ``dgemma average`` of runs), opened with ``load_run``.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def passage_prompts(tokenizer, batch: int, length: int, vocab_size: int, *, seed
 
 
 def sudoku_run(ctx: Context):
-    """The trained Sudoku run at ``ctx.sudoku_workdir`` (default ``checkpoints/sudoku_deep``), or
+    """The trained Sudoku run at ``ctx.sudoku_workdir`` (default ``checkpoints/sudoku_avg``), or
     ``(None, why)`` when there is none: the suites then skip it with that note."""
     workdir = Path(ctx.sudoku_workdir or DEFAULT_SUDOKU_WORKDIR)
     if "sudoku" in ctx.cache:

@@ -2,7 +2,7 @@
 [--host 127.0.0.1] [--port 8000] [--device cpu|cuda] [--max-jobs 4] [--max-steps 512] [--max-prompt-tokens 1024]``
 
 A local web playground (FastAPI + uvicorn; see docs/playground.md): a Sudoku panel that fills the
-board step by step with the Sudoku checkpoint (default ``checkpoints/sudoku_deep``) and a Text
+board step by step with the Sudoku checkpoint (default ``checkpoints/sudoku_avg``) and a Text
 panel for any model (default the Gemma 3 270M, loaded on the first text request). It binds to
 127.0.0.1 unless ``--host`` says otherwise; ``--port 0`` picks a free port. ``--checkpoint DIR``
 is a shortcut: a Sudoku run goes to the Sudoku panel, any other run to the Text panel. The same

@@ -1,12 +1,12 @@
 """``dgemma solve "<81 digits>"`` (or ``--file``): solve Sudoku puzzles with a trained checkpoint.
 
-The default checkpoint is the one shipped in ``checkpoints/sudoku_deep`` (``dgemma/shipped.py``;
-trained by ``configs/sudoku_deep.py``); ``--checkpoint DIR`` takes any Sudoku workdir (for example
-``checkpoints/sudoku_small``, the quickstart recipe's). Input is validated
-first (length, characters, contradictory clues). By default every board is verified against the
-rules and clues and, where it breaks one, re-run from its doubtful early commits (a branch search)
-up to ``--rounds`` rounds, ``--variants`` re-runs a round
-(``dgemma/eval/sudoku_verify.py``): a board is printed only once it is checked valid, and a
+The default checkpoint is the one shipped in ``checkpoints/sudoku_avg`` (``dgemma/shipped.py``; the
+weight average of two runs, ``configs/sudoku_deep.py`` and ``configs/sudoku_deep_hard.py``);
+``--checkpoint DIR`` takes any Sudoku workdir (for example ``checkpoints/sudoku_small``, the
+quickstart recipe's). Input is validated first (length, characters, contradictory clues). By
+default every board is verified against the rules and clues and, where it breaks one, re-run from
+its doubtful early commits (a branch search) up to ``--rounds`` rounds, ``--variants`` re-runs a
+round (``dgemma/eval/sudoku_verify.py``): a board is printed only once it is checked valid, and a
 puzzle still broken after the last round is reported unsolved, never shown as an answer.
 ``--no-verify`` prints the model's single answer with its verdict, valid or not.
 """

@@ -80,3 +80,20 @@ def test_one_run_another_architecture_or_a_used_out_are_refused(tiny_run, tmp_pa
     with pytest.raises(DGemmaError, match="already holds checkpoints"):
         average_runs([tiny_run, tiny_run], out)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
+def test_the_shipped_solver_is_the_average_of_its_sources(tmp_path):
+    """``checkpoints/sudoku_avg`` (``dgemma/shipped.py:SUDOKU``) is exactly what ``dgemma average``
+    makes of the two runs its meta.json names, today: same sources, same bits."""
+    from dgemma import shipped
+
+    meta = json.loads((ckpt.latest_checkpoint(shipped.SUDOKU) / ckpt.META_FILE).read_text())
+    sources = meta["averaged_from"]
+    for s in sources:
+        files = json.loads((ckpt.latest_checkpoint(shipped.REPO / s["workdir"]) / ckpt.META_FILE).read_text())["files"]
+        assert files[ckpt.MODEL_FILE]["sha256"] == s["model_sha256"], s["workdir"]
+    average_runs([shipped.REPO / s["workdir"] for s in sources], tmp_path / "again",
+                 weights=[s["weight"] for s in sources], step=meta["step"])
+    again, shipped_weights = weights_of(tmp_path / "again"), weights_of(shipped.SUDOKU)
+    assert again.keys() == shipped_weights.keys()
+    assert all(torch.equal(again[k], shipped_weights[k]) for k in again)
