@@ -20,9 +20,9 @@ has the measurements that motivate them):
 Measured (checkpoints/sudoku_deep_hard/README.md, 2026-12-03): at step 2,000, 100 / 99.2 / 85.2% of
 easy / medium / hard held-out boards model only (the source: 100 / 99.2 / 83.6%), but the same 333
 of 384 fresh hard puzzles as the source; verified with the branch search, 768 of 768 boards (two
-need 14 rounds, the source at most 6) and 382 of the fresh hard puzzles against the source's 383:
-committed, not the default solver by itself; the weight average of it and its source is
-(``dgemma average``, checkpoints/sudoku_avg: 86.3% hard model only).
+need 14 rounds, the source at most 6) and 382 of the fresh hard puzzles at 24 rounds (381 at 8)
+against the source's 383: committed, not the default solver by itself; the weight average of it
+and its source is (``dgemma average``, checkpoints/sudoku_avg: 86.3% hard model only).
 
     dgemma train --cfg=configs/sudoku_deep_hard.py --cfg.workdir=runs/sudoku_deep_hard
     dgemma eval --task=sudoku --cfg.workdir=runs/sudoku_deep_hard
