@@ -11,7 +11,7 @@ from dgemma.errors import DGemmaError
 from dgemma.training import checkpoint as ckpt
 from dgemma.training.average import average_runs
 from dgemma.training.config import load_config
-from dgemma.training.runs import load_run
+from dgemma.training.runs import find_checkpoint, load_run
 from dgemma.training.trainer import train
 from tests.conftest import train_tiny_sudoku
 
@@ -90,10 +90,11 @@ def test_the_shipped_solver_is_the_average_of_its_sources(tmp_path):
     meta = json.loads((ckpt.latest_checkpoint(shipped.SUDOKU) / ckpt.META_FILE).read_text())
     sources = meta["averaged_from"]
     for s in sources:
-        files = json.loads((ckpt.latest_checkpoint(shipped.REPO / s["workdir"]) / ckpt.META_FILE).read_text())["files"]
+        path = find_checkpoint(shipped.REPO / s["workdir"], s["step"])
+        files = json.loads((path / ckpt.META_FILE).read_text())["files"]
         assert files[ckpt.MODEL_FILE]["sha256"] == s["model_sha256"], s["workdir"]
     average_runs([shipped.REPO / s["workdir"] for s in sources], tmp_path / "again",
-                 weights=[s["weight"] for s in sources], step=meta["step"])
+                 weights=[s["weight"] for s in sources], steps=[s["step"] for s in sources], step=meta["step"])
     again, shipped_weights = weights_of(tmp_path / "again"), weights_of(shipped.SUDOKU)
     assert again.keys() == shipped_weights.keys()
     assert all(torch.equal(again[k], shipped_weights[k]) for k in again)
