@@ -30,6 +30,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -113,6 +114,14 @@ class CanvasSampler:
     @property
     def forbid(self) -> int | None:
         return getattr(self.noise, "mask_token_id", None)
+
+    def adjust_logits(self, logits: Tensor, *, aliases: dict[int, Tensor]) -> Tensor:
+        """The vocabulary rules applied to every prediction: stop aliases folded into their stop
+        token (:func:`fold_aliases`), the logit bias, and the stop gate (:func:`gate_stop_tokens`)."""
+        logits = add_logit_bias(fold_aliases(logits, aliases), self.logit_bias)
+        if self.min_stop_prob > 0 and self.stop_ids:
+            logits = gate_stop_tokens(logits, self.stop_ids, self.min_stop_prob)
+        return logits
 
     @torch.no_grad()
     def __call__(self, model, prompt_ids: Tensor, prompt_valid: Tensor, *, generator: torch.Generator,
@@ -205,10 +214,8 @@ class CanvasSampler:
                         before = full[torch.arange(running.numel(), device=dev), at]
                 if before is not None:
                     hidden = shift_to_canvas(hidden, before[:, None], c)
-                logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid)
-                logits = add_logit_bias(fold_aliases(logits, d.aliases), self.logit_bias)
-                if self.min_stop_prob > 0 and self.stop_ids:
-                    logits = gate_stop_tokens(logits, self.stop_ids, self.min_stop_prob)
+                logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid,
+                                      adjust=partial(self.adjust_logits, aliases=d.aliases))
                 for r in rows:
                     d.fwd[r] += 1
             last = (state.tokens, logits) if reuse else None
@@ -420,23 +427,28 @@ def fill_after_stop(state: CanvasState, stop_ids: tuple[int, ...]) -> CanvasStat
                    committed=state.committed | new, pinned=pinned)
 
 
-def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *, forbid: int | None = None) -> Tensor:
+def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *, forbid: int | None = None,
+                 adjust: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """``[B, C, V]`` logits of the canvas, the LM head run only where ``open_`` (None: everywhere).
 
     A committed position is certain: its row is its token's one-hot in logit form (0 there,
     the dtype's lowest value elsewhere), so argmax, confidence (1) and entropy (0) read as they
-    should, at no vocabulary cost. ``forbid`` (the absorbing mask token) is never predicted.
+    should, at no vocabulary cost. ``forbid`` (the absorbing mask token) is never predicted, and
+    ``adjust`` (the sampler's stop aliases, logit bias and stop gate) runs on the rows the head
+    ran on: none of them changes which token a one-hot row holds, nor its probability of 1.
     """
-    if open_ is None or bool(open_.all()):
-        logits = model.logits(hidden)
-    else:
-        z = model.logits(hidden[open_])  # [N_open, V]
-        logits = z.new_full((*open_.shape, z.shape[-1]), torch.finfo(z.dtype).min)
-        logits[open_] = z
-        closed = (~open_).nonzero(as_tuple=True)
-        logits[(*closed, tokens[closed])] = 0.0
+    whole = open_ is None or bool(open_.all())
+    z = model.logits(hidden if whole else hidden[open_])  # [B, C, V] or [N_open, V]
     if forbid is not None:
-        logits[..., forbid] = float("-inf")
+        z[..., forbid] = float("-inf")
+    if adjust is not None:
+        z = adjust(z)
+    if whole:
+        return z
+    logits = z.new_full((*open_.shape, z.shape[-1]), torch.finfo(z.dtype).min)
+    logits[open_] = z
+    closed = (~open_).nonzero(as_tuple=True)
+    logits[(*closed, tokens[closed])] = 0.0
     return logits
 
 

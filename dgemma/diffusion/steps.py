@@ -95,11 +95,23 @@ class StepRule:
         raise NotImplementedError
 
 
-def predict(logits: Tensor, temperature: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+def predict(logits: Tensor, temperature: float, generator: torch.Generator,
+            state: "CanvasState | None" = None) -> tuple[Tensor, Tensor]:
     """Sample ``x0 [B, C]`` from ``softmax(logits / T)`` and return it with its probability.
 
-    ``T = 0`` is greedy (see the module docstring). Computed in fp32.
+    ``T = 0`` is greedy (see the module docstring). Computed in fp32. Given the ``state``, a
+    greedy prediction runs the vocabulary softmax on the open positions only: a committed
+    position predicts its own token with probability 1, which is what the softmax of its row
+    gives when the sampler wrote that row as a one-hot (``dgemma/diffusion/sampler.py:vocab_logits``),
+    and what a commit rule never reads otherwise (committed positions are final).
     """
+    if temperature <= 0 and state is not None and bool(state.committed.any()):
+        open_ = ~state.committed
+        pred = state.tokens.clone()
+        conf = torch.ones(open_.shape, dtype=torch.float32, device=logits.device)
+        if bool(open_.any()):
+            conf[open_], pred[open_] = F.softmax(logits[open_].float(), dim=-1).max(dim=-1)
+        return pred, conf
     logits = logits.float()
     if temperature <= 0:
         conf, pred = F.softmax(logits, dim=-1).max(dim=-1)
@@ -256,7 +268,7 @@ class CommitStep(StepRule):
     def __call__(
         self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
     ) -> CanvasState:
-        pred, conf = predict(logits, self.temperature, generator)
+        pred, conf = predict(logits, self.temperature, generator, state)
         open_ = ~state.committed
         if is_last:
             return _renoise(state, self.noise, pred, conf, open_, generator)
@@ -327,7 +339,7 @@ class ConfidenceStep(StepRule):
     def __call__(
         self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
     ) -> CanvasState:
-        pred, conf = predict(logits, self.temperature, generator)
+        pred, conf = predict(logits, self.temperature, generator, state)
         open_ = ~state.committed
         if is_last:
             return _renoise(state, self.noise, pred, conf, open_, generator)

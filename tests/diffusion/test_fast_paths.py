@@ -111,17 +111,36 @@ def test_committed_positions_skip_the_lm_head_exactly():
     tokens = torch.randint(2, V, (2, C))
     open_ = torch.tensor([[True, False, True, False], [False, False, True, True]])
     with torch.no_grad():
-        got = vocab_logits(model, hidden, tokens, open_, forbid=3)
+        got = vocab_logits(model, hidden, tokens, open_, forbid=3, adjust=lambda z: z * 2.0)
         full = model.logits(hidden)
+    full[..., 3] = float("-inf")  # forbid, then adjust, on the open rows; committed rows stay one-hots
     ref = torch.full_like(full, torch.finfo(full.dtype).min)
-    ref[open_] = full[open_]
+    ref[open_] = full[open_] * 2.0
     closed = ~open_
     ref[closed] = ref[closed].scatter(-1, tokens[closed][:, None], 0.0)
-    ref[..., 3] = float("-inf")
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     embed = model.model.embed_tokens.weight
     torch.testing.assert_close(selfcond_signal(got, 0.7, embed, tokens, open_), probs_embedding(ref / 0.7, embed),
                                rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_prediction_on_open_positions_equals_the_full_softmax(dtype):
+    """A greedy step runs its softmax on the open positions only; with committed rows written as
+    one-hots (as the sampler writes them) it returns the full softmax's argmax and probability, bit for bit."""
+    from dgemma.diffusion.steps import CanvasState, predict
+
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(2, V, (2, C), generator=g)
+    committed = torch.tensor([[True, False, True, False], [False, False, False, True]])
+    logits = (torch.randn(2, C, V, generator=g) * 3).to(dtype)
+    logits[committed] = torch.full_like(logits[committed], torch.finfo(dtype).min).scatter(
+        -1, tokens[committed][:, None], 0.0)
+    state = CanvasState(tokens=tokens, committed=committed)
+    pred, conf = predict(logits, 0.0, g, state)
+    want_pred, want_conf = predict(logits, 0.0, g)
+    assert torch.equal(pred, want_pred) and torch.equal(conf, want_conf) and conf.dtype == torch.float32
+    assert torch.equal(pred[committed], tokens[committed]) and bool((conf[committed] == 1).all())
 
 
 def test_commit_sampler_with_vocabulary_skipping_equals_its_definition(monkeypatch):
@@ -135,22 +154,23 @@ def test_commit_sampler_with_vocabulary_skipping_equals_its_definition(monkeypat
     valid = torch.ones(2, 5, dtype=torch.bool)
 
     def sample():
+        # a logit bias and a stop gate, so the vocabulary rules have work to do on every row
         s = CanvasSampler(noise=noise, step=CommitStep(noise, temperature=0.0), num_steps=3, canvas_size=C,
-                          max_canvases=2, record=True)
+                          max_canvases=2, record=True, stop_ids=(7,), min_stop_prob=0.3, logit_bias={9: 2.0})
         return s(model, prompt, valid, generator=torch.Generator().manual_seed(0))
 
     calls = []
     real = sampler_mod.vocab_logits
 
-    def counting(model_, hidden, tokens, open_, *, forbid=None):
+    def counting(model_, hidden, tokens, open_, *, forbid=None, adjust=None):
         calls.append(None if open_ is None else int(open_.sum()))
-        return real(model_, hidden, tokens, open_, forbid=forbid)
+        return real(model_, hidden, tokens, open_, forbid=forbid, adjust=adjust)
 
     monkeypatch.setattr(sampler_mod, "vocab_logits", counting)
     fast = sample()
     assert any(n is not None and n < 2 * C for n in calls)  # some step really skipped rows
 
-    def definition(model_, hidden, tokens, open_, *, forbid=None):
+    def definition(model_, hidden, tokens, open_, *, forbid=None, adjust=None):
         full = model_.logits(hidden)
         if open_ is not None:
             closed = ~open_
@@ -158,7 +178,7 @@ def test_commit_sampler_with_vocabulary_skipping_equals_its_definition(monkeypat
             full[closed] = rows.scatter(-1, tokens[closed][:, None], 0.0)
         if forbid is not None:
             full[..., forbid] = float("-inf")
-        return full
+        return full if adjust is None else adjust(full)  # the rules on every row, one-hots included
 
     monkeypatch.setattr(sampler_mod, "vocab_logits", definition)
     slow = sample()

@@ -154,8 +154,10 @@ def test_commit_follows_the_schedule_and_never_overwrites(schedule, temperature)
         assert (new.committed | ~state.committed).all()  # nothing is ever uncommitted
         fresh = new.committed & ~state.committed
         assert torch.equal(new.tokens[fresh], new.prev_pred[fresh])
-        if temperature == 0:
-            assert torch.equal(new.prev_pred, logits.argmax(-1))
+        if temperature == 0:  # greedy: the argmax where open; a committed position predicts its own token
+            was_open = ~state.committed
+            assert torch.equal(new.prev_pred[was_open], logits.argmax(-1)[was_open])
+            assert torch.equal(new.prev_pred[state.committed], state.tokens[state.committed])
         alpha_s = schedule.alpha(torch.tensor(s, dtype=torch.float64)).item()
         want = c if i == steps - 1 else math.ceil(alpha_s * c - 1e-6)
         assert new.committed.sum(-1).tolist() == [want] * b
