@@ -228,7 +228,7 @@ class CanvasSampler:
             if model.self_conditioning is not None:  # T <= 0 (greedy) conditions on the plain softmax
                 selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, d.embed, state.tokens, open_)
             done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
-                self.stop.update(logits, temp)
+                self.stop.update(logits, temp, open_=None if reused else open_)
             settled = state.committed.all(-1)  # every position committed: nothing left to denoise
             done = done | settled
             if self.on_step is not None:

@@ -25,7 +25,8 @@ from dgemma.errors import DGemmaError
 class StoppingRule(Protocol):
     def reset(self, batch: int) -> None: ...
 
-    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor: ...
+    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None,
+               open_: Tensor | None = None) -> Tensor: ...
 
     def select(self, rows: Tensor) -> None: ...
 
@@ -42,13 +43,20 @@ def token_entropy(scaled: Tensor) -> Tensor:
     return -(logp.clamp(min=torch.finfo(logp.dtype).min) * F.softmax(logp, dim=-1)).sum(-1)
 
 
-def mean_entropy(logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor:
+def mean_entropy(logits: Tensor, temperature: float, valid: Tensor | None = None,
+                 open_: Tensor | None = None) -> Tensor:
     """Mean per-token entropy (nats, fp32) of ``softmax(logits / T)`` over ``valid`` positions: ``[B]``.
 
-    Rows without a valid position get 0.
+    Rows without a valid position get 0. ``open_`` (optional) marks the positions whose logits
+    are not a one-hot: the others (committed positions, as the sampler writes them) have entropy
+    exactly 0, so only the open ones go through the vocabulary-sized softmax.
     """
     scale = temperature if temperature > 0 else 1.0
-    ent = token_entropy(logits.float() / scale)
+    if open_ is None or bool(open_.all()):
+        ent = token_entropy(logits.float() / scale)
+    else:
+        ent = torch.zeros(open_.shape, dtype=torch.float32, device=logits.device)
+        ent[open_] = token_entropy(logits[open_].float() / scale)
     if valid is None:
         return ent.mean(-1)
     ent = ent.masked_fill(~valid, 0.0)
@@ -65,7 +73,8 @@ class NoStop:
     def reset(self, batch: int) -> None:
         pass
 
-    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor:
+    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None,
+               open_: Tensor | None = None) -> Tensor:
         return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
 
     def select(self, rows: Tensor) -> None:
@@ -87,8 +96,9 @@ class EntropyStop:
     def reset(self, batch: int) -> None:
         pass
 
-    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor:
-        return mean_entropy(logits, temperature, valid) <= self.threshold
+    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None,
+               open_: Tensor | None = None) -> Tensor:
+        return mean_entropy(logits, temperature, valid, open_) <= self.threshold
 
     def select(self, rows: Tensor) -> None:
         pass
@@ -119,7 +129,8 @@ class StableAndConfident:
         self._prev = None
         self._streak = None
 
-    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None) -> Tensor:
+    def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None,
+               open_: Tensor | None = None) -> Tensor:
         argmax = logits.argmax(-1)
         if self._prev is None:
             self._streak = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
@@ -130,7 +141,7 @@ class StableAndConfident:
             self._streak = torch.where(same.all(-1), self._streak + 1, torch.zeros_like(self._streak))
         self._prev = argmax
         stable = self._streak >= self.stability_threshold
-        return stable & (mean_entropy(logits, temperature, valid) < self.confidence_threshold)
+        return stable & (mean_entropy(logits, temperature, valid, open_) < self.confidence_threshold)
 
     def select(self, rows: Tensor) -> None:
         if self._prev is not None:

@@ -143,6 +143,23 @@ def test_greedy_prediction_on_open_positions_equals_the_full_softmax(dtype):
     assert torch.equal(pred[committed], tokens[committed]) and bool((conf[committed] == 1).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_on_open_positions_equals_the_full_entropy(dtype):
+    """The stopping entropy skips one-hot rows, whose entropy is exactly 0: same means, bit for bit."""
+    from dgemma.diffusion.stopping import mean_entropy
+
+    g = torch.Generator().manual_seed(6)
+    tokens = torch.randint(2, V, (3, C), generator=g)
+    committed = torch.tensor([[True, False, True, False], [False] * C, [True] * C])
+    logits = (torch.randn(3, C, V, generator=g) * 2).to(dtype)
+    logits[committed] = torch.full_like(logits[committed], torch.finfo(dtype).min).scatter(
+        -1, tokens[committed][:, None], 0.0)
+    valid = torch.tensor([[True, True, True, False], [True] * C, [True] * C])
+    for T in (0.0, 0.7):
+        for v in (None, valid):
+            assert torch.equal(mean_entropy(logits, T, v, ~committed), mean_entropy(logits, T, v))
+
+
 def test_commit_sampler_with_vocabulary_skipping_equals_its_definition(monkeypatch):
     """The fast sampler emits the tokens of one that runs the LM head on every position and then
     overwrites the committed rows with their one-hot (the definition), self-conditioned, fp64."""
