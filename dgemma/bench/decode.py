@@ -66,7 +66,7 @@ SIZES = {
     "cpu": dict(prompt_len=32, canvas=16, batches=(1, 16), grid_steps=(8, 16, 32, 64), big_batch_steps=(8,),
                 nocache_steps=(8,), nocache_prompt_len=128, repeats=3, row_cap_s=12.0, refresh_s=30.0, refresh_max_s=4.0, local_s=45.0,
                 sudoku_puzzles=32, sudoku_batch=16, sudoku_steps=(8, 16, 32, 64), sudoku_b1=3,
-                pubmedqa_questions=16, pubmedqa_b1=4, pubmedqa_steps=(32, 8), pubmedqa_canvases=None),
+                pubmedqa_questions=16, pubmedqa_b1=4, pubmedqa_steps=(32, 16, 8), pubmedqa_canvases=None),
     "gpu": dict(prompt_len=128, canvas=64, batches=(1, 16), grid_steps=(8, 16, 32, 64),
                 big_batch_steps=(8, 16, 32, 64), nocache_steps=(8, 32), nocache_prompt_len=512, repeats=5, row_cap_s=10.0, refresh_s=20.0,
                 refresh_max_s=4.0, local_s=30.0, sudoku_puzzles=256, sudoku_batch=16, sudoku_steps=(8, 16, 32, 64), sudoku_b1=16,
@@ -658,7 +658,17 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
 
 
 # ------------------------------------------------------------------------------------ suite
-def run(ctx: Context, *, sudoku_run=None, pubmedqa_runs=None) -> dict:
+def _adapted_tables(result: dict, sudoku_rows: list[dict], pubmedqa_rows: list[dict]) -> None:
+    if sudoku_rows:
+        result["tables"].append(format_table(sudoku_rows, SUDOKU_COLUMNS,
+                                             title="== decode: trained Sudoku model (accuracy next to speed)"))
+    if pubmedqa_rows:
+        result["tables"].append(format_table(pubmedqa_rows, PUBMEDQA_COLUMNS, title="== decode: adapted PubMedQA "
+                                             "model vs its AR fine-tune (quality next to speed)"))
+
+
+def run(ctx: Context, *, sudoku_run=None, pubmedqa_runs=None, adapted_only: bool = False) -> dict:
+    """The decode suite; ``adapted_only`` runs the trained models' rows alone (``--only adapted``)."""
     started = time.perf_counter()
     sz = SIZES[ctx.profile]
     budget = Budget(ctx.budget_s if ctx.budget_s is not None else BUDGET_S[ctx.profile])
@@ -666,6 +676,13 @@ def run(ctx: Context, *, sudoku_run=None, pubmedqa_runs=None) -> dict:
     result["settings"]["sizes"] = dict(sz)
     result["settings"]["budget_s"] = budget.seconds
     with torch.no_grad():
+        if adapted_only:  # the trained models' rows alone: quality next to speed
+            result["settings"]["only"] = "adapted"
+            sudoku_rows = _bench_sudoku(ctx, result, budget, sz, run=sudoku_run)
+            pubmedqa_rows = _bench_pubmedqa(ctx, result, budget, sz, runs=pubmedqa_runs)
+            result["rows"] = sudoku_rows + pubmedqa_rows
+            _adapted_tables(result, sudoku_rows, pubmedqa_rows)
+            return finish(result, ctx, started)
         lm = LMDecode(ctx, result, budget, sz)
         lm.first_part()
         lm.profile_diffusion()
@@ -686,12 +703,7 @@ def run(ctx: Context, *, sudoku_run=None, pubmedqa_runs=None) -> dict:
     result["tables"].append(format_table(
         lm_sorted, COLUMNS, title=f"== decode: {lm.label} (prompt {sz['prompt_len']}, canvas {sz['canvas']}, "
                                   f"{result['settings']['lm']['dtype']})"))
-    if sudoku_rows:
-        result["tables"].append(format_table(sudoku_rows, SUDOKU_COLUMNS,
-                                             title="== decode: trained Sudoku model (accuracy next to speed)"))
-    if pubmedqa_rows:
-        result["tables"].append(format_table(pubmedqa_rows, PUBMEDQA_COLUMNS, title="== decode: adapted PubMedQA "
-                                             "model vs its AR fine-tune (quality next to speed)"))
+    _adapted_tables(result, sudoku_rows, pubmedqa_rows)
     for name, prof in result["profiles"].items():
         top = ", ".join(f"{o['name']} {o['share']:.0%}" for o in prof["top_ops"][:6])
         result["notes"].append(f"profile {name}: {prof.get('row', '')}: top ops {top}; ops over the vocabulary "

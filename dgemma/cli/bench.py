@@ -1,5 +1,6 @@
 """``dgemma bench SUITE [--out results/] [--quick] [--sudoku-workdir DIR] [--pubmedqa-workdir DIR]
-[--dtype auto|float32|bfloat16] [--budget S] [--repeats N] [--no-profile] [--only step_cost [--compile]]``
+[--dtype auto|float32|bfloat16] [--budget S] [--repeats N] [--no-profile]
+[--only step_cost [--compile] | --only adapted]``
 
 SUITE is ``decode``, ``loss``, ``attention``, ``train``, ``gpu`` or ``all`` (every suite in that
 order; ``gpu`` notes and skips itself without a CUDA device). Each suite prints its table and its
@@ -51,7 +52,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")
-    p.add_argument("--only", choices=["step_cost"], help="decode: only the per-forward cost rows (step_cost)")
+    p.add_argument("--only", choices=["step_cost", "adapted"],
+                   help="decode: only the per-forward cost rows (step_cost), or only the trained Sudoku and "
+                        "PubMedQA models' rows, quality next to speed (adapted)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="decode: the models' dtype (auto: bf16 where the CPU/GPU has native bf16 units; "
                         "a trained run's auto is its training precision)")
@@ -99,11 +102,18 @@ def run(argv: list[str]) -> int:
     if ctx.device.startswith("cuda") and not args.quick and args.suite != "gpu":
         ctx.profile = "gpu"
     torch.manual_seed(0)
-    if args.compile and not args.only:
+    if args.compile and args.only != "step_cost":
         raise DGemmaError("--compile applies to decode --only step_cost")
+    if args.only and args.suite != "decode":
+        raise DGemmaError(f"--only {args.only} belongs to the decode suite, not {args.suite}")
+    if args.only == "adapted":
+        result = modules["decode"].run(ctx, adapted_only=True)
+        result["command"] = "dgemma bench " + " ".join(argv)
+        path = write_result(result, ctx.out)
+        _print_result(result)
+        print(f"wrote {path}", flush=True)
+        return 0
     if args.only:
-        if args.suite != "decode":
-            raise DGemmaError(f"--only {args.only} belongs to the decode suite, not {args.suite}")
         from dgemma.bench import step_cost
         from dgemma.device import resolve_dtype
 

@@ -169,16 +169,20 @@ PUBMEDQA = REPO / "checkpoints" / "pubmedqa_270m"
 
 @pytest.mark.skipif(not (PUBMEDQA / "ar" / "config.json").is_file(), reason="no shipped PubMedQA pair")
 def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread):
-    """The shipped adapter and its AR fine-tune on two shipped test questions (``--quick``: one
-    canvas, 2 steps): each row's accuracy is the task's score of what that decoder wrote, and the
+    """``dgemma bench decode --only adapted``: the shipped adapter and its AR fine-tune on two shipped
+    test questions (``--quick``: one canvas, 2 steps): each row's accuracy is the task's score of what that decoder wrote, and the
     ratio compares it with the AR row of its batch."""
     from dgemma.bench import decode, fixtures
     from dgemma.tasks import get_task
 
+    # what a user types for the trained models' rows alone
+    assert main(["bench", "decode", "--only", "adapted", "--quick", "--out", str(tmp_path), "--pubmedqa-workdir",
+                 str(PUBMEDQA), "--sudoku-workdir", str(tmp_path / "none")]) == 0
+    r = _load(tmp_path, "decode")
+    assert {row["model"] for row in r["rows"]} == {"pubmedqa"}  # no Gemma LM rows, no Sudoku run here
+    rows = r["rows"]
     ctx = common.Context(out=tmp_path, quick=True, profile="quick", verbose=False, do_profile=False,
-                         pubmedqa_workdir=str(PUBMEDQA), sudoku_workdir=str(tmp_path / "none"))
-    r = decode.run(ctx)
-    rows = [row for row in r["rows"] if row["model"] == "pubmedqa"]
+                         pubmedqa_workdir=str(PUBMEDQA))
     assert [(row["kind"], row["batch"]) for row in rows] == [("ar", 1), ("diffusion", 1), ("ar", 2),
                                                             ("diffusion", 2)]
     diff_run, ar_run, questions = fixtures.pubmedqa_runs(ctx)[0]
