@@ -8,7 +8,9 @@ processor's flags. On CUDA, ``"auto"`` is bf16 where the GPU supports it (Ampere
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -82,3 +84,38 @@ def describe(device: torch.device | str) -> str:
         feats = cpu_bf16_features()
         return f"cpu ({', '.join(feats) if feats else 'no native bf16'})"
     return str(device)
+
+
+@functools.cache
+def _glibc():
+    """The C library when it is glibc on Linux (it has ``malloc_trim``), else None."""
+    if platform.system() != "Linux":
+        return None
+    try:
+        lib = ctypes.CDLL("libc.so.6")
+        lib.malloc_trim  # noqa: B018 (musl and others lack it)
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def release_free_heap() -> bool:
+    """Hand the memory glibc's ``malloc`` holds in freed heap chunks back to the OS (``malloc_trim(0)``).
+
+    A CPU training step allocates and frees activations of a different size at every step (the
+    prompts are trimmed to each batch's longest), and glibc keeps the freed chunks for reuse:
+    without jemalloc, a PubMedQA LoRA run's resident memory grew by ~0.85 GiB a step, to 21.6 GiB
+    at step 90, and the kernel killed it. Trimming after each step costs milliseconds. Returns
+    whether anything was released (False where the C library is not glibc).
+    """
+    lib = _glibc()
+    return bool(lib is not None and lib.malloc_trim(0))
+
+
+def resident_gib() -> float | None:
+    """This process's resident memory (GiB) from ``/proc/self/statm``; None off Linux."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30

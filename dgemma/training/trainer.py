@@ -29,7 +29,7 @@ from torch import nn
 from dgemma.data.char_tokenizer import ALPHABETS, CharTokenizer
 from dgemma.data.sft import DataOrder, trim_prompt_padding
 from dgemma.data.tokenizers import load_tokenizer
-from dgemma.device import default_device, describe, resolve_dtype
+from dgemma.device import default_device, describe, release_free_heap, resident_gib, resolve_dtype
 from dgemma.diffusion.corruption import build_noise
 from dgemma.diffusion.objective import DiffusionObjective, LossTerms
 from dgemma.diffusion.schedules import get_schedule
@@ -567,6 +567,11 @@ class Trainer:
             out.update(lr=lr, tokens_per_s=out["tokens"] / dt, seconds=dt)
             if self.device.type == "cuda":
                 out["memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            else:  # glibc keeps what a step freed; without this a LoRA run on the 270M grew to an OOM kill
+                release_free_heap()
+                rss = resident_gib()
+                if rss is not None:
+                    out["rss_gib"] = rss
             self.nan_streak = 0 if out["finite"] else self.nan_streak + 1
             if not out["finite"]:
                 self.log.event(self.step, f"non-finite step (loss {out['loss']}, grad norm {out['grad_norm']}): "

@@ -116,7 +116,8 @@ def test_cli_run_writes_tensorboard_metrics_progress_and_checkpoints(reference):
     assert "done: step 6" in proc.stdout
     assert sorted(losses(workdir)) == [1, 2, 3, 4, 5, 6]
     row = next(r for r in records(workdir) if r.get("step") == 6 and r.get("split") == "train")
-    assert {"loss", "diffusion_loss", "ar_loss", "grad_norm", "lr", "tokens_per_s"} <= row.keys()
+    assert {"loss", "diffusion_loss", "ar_loss", "grad_norm", "lr", "tokens_per_s", "rss_gib"} <= row.keys()
+    assert 0.05 < row["rss_gib"] < 64  # a CPU step logs the process's resident memory (dgemma/device.py)
     events = list((workdir / "tb").glob("events.out.tfevents.*"))
     assert events
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
