@@ -43,7 +43,7 @@ def export_run(workdir: str | Path, out: str | Path, *, step: int | None = None,
     from dgemma.training.lora import merge_lora, save_peft_adapter
     from dgemma.training.runs import load_run
 
-    run = load_run(workdir, step=step, overrides=overrides, device="cpu")
+    run = load_run(workdir, step=step, overrides=overrides, device="cpu", merge_lora=False)  # peft's adapter
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DGemmaError(f"--out {out} exists and is not a folder")

@@ -22,7 +22,8 @@ def eval_hook(trainer, step: int) -> dict:
     cfg = trainer.cfg
     task = get_task(cfg.data.task).configure(cfg)
     run = Run(cfg, trainer.model.eval(), trainer.tokenizer, step, trainer.workdir / "checkpoints" / f"step_{step:08d}",
-              "average" if trainer.ema is not None else "raw")  # the trainer applies the average around hooks
+              "average" if trainer.ema is not None else "raw",  # the trainer applies the average around hooks
+              "adapter" if cfg.lora.enabled else "none")
     chosen = [parse_evaluator(cfg.train.eval_name, task)] if cfg.train.eval_name else default_evaluators(cfg, task)[:1]
     try:
         with trainer.autocast():  # the training dtype: bf16 where it is native

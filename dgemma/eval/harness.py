@@ -128,7 +128,7 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
         "canvas_size": sampler.canvas_size, "max_canvases": sampler.max_canvases, "stop_ids": list(sampler.stop_ids),
         "noise": cfg.diffusion.process, "schedule": cfg.diffusion.schedule, "pin_clues": cfg.data.pin_clues,
         "min_stop_prob": sampler.min_stop_prob, "stop_alias_cos": sampler.stop_alias_cos,
-        "logit_bias": cfg.eval_ds.logit_bias, "weights": run.weights,
+        "logit_bias": cfg.eval_ds.logit_bias, "weights": run.weights, "lora": run.lora,
     }
     return sampler, settings
 
@@ -340,7 +340,7 @@ def evaluate_ar(run, task, *, eval_name: str, split: str | None = None, records:
                 "batch_size": e.batch_size, "num_batches": cfg.aux.eval_num_batches, "prompt_len": cfg.data.prompt_len,
                 "device": str(dev), "dtype": _dtype(run.model), "threads": torch.get_num_threads(),
                 "stop_alias_cos": cfg.eval_ds.stop_alias_cos, "logit_bias": cfg.eval_ds.logit_bias,
-                "weights": run.weights, "compiled": _compiled(run.model)}
+                "weights": run.weights, "lora": run.lora, "compiled": _compiled(run.model)}
     result = {"eval_name": eval_name, "task": task.name, "split": split, "source": task.source(cfg, split),
               "checkpoint_step": run.step, "num_examples": len(gen.records), "metrics": metrics, "stats": stats,
               "settings": settings}

@@ -15,6 +15,7 @@ import torch
 from dgemma.device import resolve_dtype
 from dgemma.errors import DGemmaError
 from dgemma.training import checkpoint as ckpt
+from dgemma.training import lora as lora_lib
 from dgemma.training.config import Config, apply_overrides, load_config
 from dgemma.training.ema import load_averaged
 from dgemma.training.trainer import build_model, build_noise_for
@@ -28,6 +29,7 @@ class Run:
     step: int
     path: Path  # the checkpoint directory
     weights: str = "raw"  # "average" (train.ema's moving average) or "raw"
+    lora: str = "none"  # "merged" (folded into the base weights), "adapter" (peft-wrapped) or "none"
 
     def noise(self):
         return build_noise_for(self.cfg, self.model, self.tokenizer)
@@ -49,7 +51,8 @@ def find_checkpoint(workdir: str | Path, step: int | None = None) -> Path:
 
 
 def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[str] | None = None,
-             device: str | torch.device | None = None, dtype: str = "float32", weights: str = "average") -> Run:
+             device: str | torch.device | None = None, dtype: str = "float32", weights: str = "average",
+             merge_lora: bool = True) -> Run:
     """The run's model at ``step`` (latest complete if None), in eval mode.
 
     ``weights``: ``average`` (default) loads the moving average of a run trained with
@@ -62,6 +65,13 @@ def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[st
     dtype of the weights for inference (norms and soft-capping stay fp32). ``auto`` is the run's
     own training precision: fp32 for a run trained with ``train.dtype="float32"``, else bf16 where
     the device has native bf16 units.
+
+    ``merge_lora`` (default) folds a LoRA adapter into its base weights, in fp32 and before the
+    cast to ``dtype``: a linear is then one matrix product instead of three (peft's wrapper adds
+    ``B(A x)`` and a scale), which made a bf16 AR step of the PubMedQA adapter 1.2x faster on
+    this project's CPU, and its bf16 weights are the rounding of the exact merged weight rather
+    than the sum of three rounded products. ``merge_lora=False`` keeps peft's modules: for export
+    (the adapter is saved as peft's) and for inspecting the adapter.
     """
     if weights not in ("average", "raw"):
         raise DGemmaError(f"weights must be 'average' or 'raw', got {weights!r}")
@@ -85,8 +95,13 @@ def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[st
     if weights == "average" and "ema" in state["extra"]:
         load_averaged(model, state["extra"]["ema"])
         loaded = "average"
+    lora = "none"
+    if cfg.lora.enabled:
+        lora = "merged" if merge_lora else "adapter"
+        if merge_lora:
+            lora_lib.merge_lora(model)
     device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto" and cfg.train.dtype == "float32":
         dtype = "float32"
     model = model.to(device=device, dtype=resolve_dtype(dtype, device))
-    return Run(cfg, model.eval(), tokenizer, state["step"], path, loaded)
+    return Run(cfg, model.eval(), tokenizer, state["step"], path, loaded, lora)

@@ -24,7 +24,7 @@ TOP_KEYS = {"eval_name", "task", "split", "source", "checkpoint_step", "num_exam
 SETTINGS_KEYS = {"seed", "num_steps", "step_type", "step_args", "temperature", "early_stopping", "stopping",
                  "canvas_size", "max_canvases", "stop_ids", "noise", "schedule", "batch_size", "num_batches",
                  "prompt_len", "device", "dtype", "threads", "pin_clues", "min_stop_prob", "stop_alias_cos", "logit_bias",
-                 "weights", "compiled"}
+                 "weights", "lora", "compiled"}
 STATS_KEYS = {"examples", "tokens", "forward_passes", "tokens_per_forward", "tokens_per_second", "seconds",
               "canvases", "mean_steps_per_canvas", "early_stopped_canvases", "truncated_prompts", "ar_examples",
               "ar_max_new_tokens", "ar_tokens", "ar_forward_passes", "ar_tokens_per_forward",

@@ -305,7 +305,7 @@ def test_sft_recipe_fine_tunes_a_diffusiongemma_and_exports_it_back(tmp_path_fac
     losses = [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
-    run = load_run(workdir, device="cpu")
+    run = load_run(workdir, device="cpu", merge_lora=False)
     assert run.model.config.selfcond_variant == "postnorm"  # the base's design, not the recipe's zero_init
     trained = dict(run.model.named_parameters())
     layer = "model.layers.0."
@@ -315,9 +315,7 @@ def test_sft_recipe_fine_tunes_a_diffusiongemma_and_exports_it_back(tmp_path_fac
 
     out = workdir / "export"
     assert main(["export", f"--cfg.workdir={workdir}", f"--out={out}"]) == 0
-    merged = load_run(workdir, device="cpu").model
-    from dgemma.training.lora import merge_lora
-    merge_lora(merged)
+    merged = load_run(workdir, device="cpu").model  # LoRA folded in (load_run's default)
     hf = hf_dg(out)
     prompt = torch.randint(0, 16, (1, 20), generator=torch.Generator().manual_seed(5))
     canvas = torch.randint(0, 16, (1, 88), generator=torch.Generator().manual_seed(6))

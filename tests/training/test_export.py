@@ -84,11 +84,28 @@ def test_full_run_selfcond_restored_by_dgemma(full_run):
 
 def test_lora_run_merged_equals_our_unmerged_model(lora_run):
     workdir, out = lora_run
-    ours = load_run(workdir, step=2, device="cpu").model  # LoRA still wrapped
+    ours = load_run(workdir, step=2, device="cpu", merge_lora=False).model  # LoRA still wrapped
     base, _ = build_model(apply_overrides(load_config(workdir / "config.json"), ["--cfg.lora.enabled=false"]))
     mine = ar_logits(ours)
     assert rel_err(ar_logits(base.eval()), mine) > 1e-3  # the adapter matters ...
     assert rel_err(ar_logits(hf_model(out)), mine) < 1e-5  # ... and survives the merge
+
+
+def test_load_run_merges_lora_by_default(lora_run):
+    """Inference loads fold the adapter into the base weights (one product per linear); the
+    logits are the wrapped model's up to fp32 rounding, far from the base's."""
+    workdir, _ = lora_run
+    merged, wrapped = load_run(workdir, step=2, device="cpu"), load_run(workdir, step=2, device="cpu", merge_lora=False)
+    assert (merged.lora, wrapped.lora) == ("merged", "adapter")
+    assert not any("lora_" in n for n, _ in merged.model.named_parameters())
+    assert any("lora_" in n for n, _ in wrapped.model.named_parameters())
+    base, _ = build_model(apply_overrides(load_config(workdir / "config.json"), ["--cfg.lora.enabled=false"]))
+    mine = ar_logits(wrapped.model)
+    assert rel_err(ar_logits(base.eval()), mine) > 1e-3
+    assert rel_err(ar_logits(merged.model), mine) < 1e-5
+    bf16 = load_run(workdir, step=2, device="cpu", dtype="bfloat16")  # merged in fp32, then rounded once
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(bf16.model.state_dict()[w], merged.model.state_dict()[w].to(torch.bfloat16))
 
 
 def test_lora_adapter_loads_in_peft_on_the_base(lora_run, tmp_path):
