@@ -288,14 +288,21 @@ def _use_bf16(cfg: Config) -> bool:
 class MetricsLog:
     """``metrics.jsonl`` plus TensorBoard event files in the workdir (rank 0 only)."""
 
-    def __init__(self, workdir: Path, enabled: bool):
+    def __init__(self, workdir: Path, enabled: bool, *, resumed_at: int | None = None):
+        """``resumed_at``: the step of the checkpoint a run resumed from. What a killed run logged
+        after it is dropped (``metrics.jsonl`` rewritten; TensorBoard's ``purge_step`` hides the
+        old events from step ``resumed_at + 1`` on), so the redone steps appear once, as in an
+        uninterrupted run."""
         self.enabled = enabled
         self.tb = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(workdir / "tb"))
-            self.jsonl = (workdir / "metrics.jsonl").open("a")
+            path = workdir / "metrics.jsonl"
+            if resumed_at is not None and path.is_file():
+                rewind_metrics(path, resumed_at)
+            self.tb = SummaryWriter(str(workdir / "tb"), purge_step=None if resumed_at is None else resumed_at + 1)
+            self.jsonl = path.open("a")
 
     def scalars(self, step: int, values: dict, prefix: str = "train") -> None:
         if not self.enabled:
@@ -316,6 +323,31 @@ class MetricsLog:
         if self.enabled:
             self.tb.close()
             self.jsonl.close()
+
+
+def rewind_metrics(path: Path, step: int) -> int:
+    """Keep the lines of ``metrics.jsonl`` logged at or before ``step``; returns how many were dropped.
+
+    A line that does not parse (a kill mid-write) goes too. Rewritten through a temporary file
+    and a rename, so a kill here leaves the old file or the new one. Example, ``step=2``: lines
+    of steps ``1 2 3 4 3`` and a torn ``{"st`` -> ``1 2``.
+    """
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            keep = isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step
+        except json.JSONDecodeError:
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 def map_layers(weights: dict, layer_map: list[int], *, unit_offset: bool = True) -> dict:
@@ -363,7 +395,6 @@ class Trainer:
         self.workdir = Path(cfg.workdir)
         if self.rank == 0:
             self.workdir.mkdir(parents=True, exist_ok=True)
-        self.log = MetricsLog(self.workdir, self.rank == 0)
         self.model, self.tokenizer = build_model(cfg)
         self.model.to(self.device)
         self.objective = build_objective(cfg, self.model, self.tokenizer)
@@ -389,11 +420,14 @@ class Trainer:
                                                 min_ratio=o.min_lr_ratio))
         self.step = 0
         self.nan_streak = 0
+        resumed_at = None
         if cfg.train.resume and (latest := ckpt.latest_checkpoint(self.workdir)) is not None:
             self.restore(latest)
             self.say(f"resumed from {latest}")
+            resumed_at = self.step
         elif cfg.init.weights:
             self.warm_start(Path(cfg.init.weights))
+        self.log = MetricsLog(self.workdir, self.rank == 0, resumed_at=resumed_at)
         if self.rank == 0:  # after the resume check: a refused resume leaves the run's config.json alone
             save_config(cfg, self.workdir)
 

@@ -166,9 +166,38 @@ def test_kill_and_resume_is_bitwise_identical(reference, tmp_path):
     assert optim_mine["param_groups"] == optim_ref["param_groups"]
     for k, state in optim_ref["state"].items():
         assert_same_tensors(optim_mine["state"][k], state)
-    assert {s: l for s, l in losses(workdir).items() if s > 4} == {s: l for s, l in losses(ref_dir).items() if s > 4}
+    # the steps the killed runs logged after their checkpoint were redone: each is logged once, as uninterrupted
+    train_steps = [r["step"] for r in records(workdir) if r.get("split") == "train"]
+    assert train_steps == [1, 2, 3, 4, 5, 6]
+    assert losses(workdir) == losses(ref_dir)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(workdir / "tb"))  # every event file of the three processes, in order
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in acc.Scalars("train/loss")] == [e.value for e in _scalars(ref_dir, "train/loss")]
     print(f"\nkill/resume: first checkpoint after {t_first:.1f}s, temp dir seen after {t_tmp:.1f}s, "
           f"final resume ran {t_last:.1f}s")
+
+
+def _scalars(workdir, tag: str):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(workdir) / "tb"))
+    acc.Reload()
+    return acc.Scalars(tag)
+
+
+def test_rewind_metrics_keeps_what_was_logged_up_to_the_resumed_step(tmp_path):
+    from dgemma.training.trainer import rewind_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "split": "train"}, {"step": 2, "event": "checkpoint step_00000002"},
+            {"step": 3, "split": "train"}, {"step": 4, "split": "train"}, {"step": 3, "split": "train"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"st')  # the last line torn by a kill
+    assert rewind_metrics(path, 2) == 4
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:2]
+    assert rewind_metrics(path, 2) == 0 and not (tmp_path / "metrics.jsonl.tmp").exists()
 
 
 # ------------------------------------------------------------------------------- rollback
