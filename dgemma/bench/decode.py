@@ -598,6 +598,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         "questions": len(questions), "batch1_questions": len(batches[0][1]),
         "question_source": "examples.jsonl beside the adapter (the first test questions)",
         "dtype": str(next(diff.model.parameters()).dtype), "steps": list(sz["pubmedqa_steps"]),
+        "lora": diff.lora, "ar_lora": ar.lora,  # merged into the weights (load_run's default) or peft-wrapped
         "sampler": f"the run's own ({e.step_type}, blocks of {e.commit_block}, temperature {e.temperature}, "
                    f"no early stop: the shipped evaluations' setting)",
         "ar": f"greedy, our cache, at most {ar_tokens} tokens, the task's stop tokens",

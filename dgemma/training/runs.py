@@ -95,11 +95,9 @@ def load_run(workdir: str | Path, *, step: int | None = None, overrides: list[st
     if weights == "average" and "ema" in state["extra"]:
         load_averaged(model, state["extra"]["ema"])
         loaded = "average"
-    lora = "none"
-    if cfg.lora.enabled:
-        lora = "merged" if merge_lora else "adapter"
-        if merge_lora:
-            lora_lib.merge_lora(model)
+    lora = "none" if not cfg.lora.enabled else "merged" if merge_lora else "adapter"
+    if lora == "merged":
+        lora_lib.merge_lora(model)
     device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto" and cfg.train.dtype == "float32":
         dtype = "float32"

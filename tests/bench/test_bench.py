@@ -187,6 +187,7 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
                                                             ("diffusion", 2)]
     diff_run, ar_run, questions = fixtures.pubmedqa_runs(ctx)[0]
     assert str(next(diff_run.model.parameters()).dtype) == r["settings"]["pubmedqa"]["dtype"]
+    assert (r["settings"]["pubmedqa"]["lora"], r["settings"]["pubmedqa"]["ar_lora"]) == ("merged", "merged")
     for row in rows:
         assert row["n_questions"] == row["batch"] and 0 < row["tokens"] <= 32 * row["batch"]
         assert {"accuracy", "macro_f1", "bleu", "unparsed", "tokens_per_s"} <= set(row)
