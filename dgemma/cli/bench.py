@@ -17,19 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-# Idle OpenMP threads sleep instead of spinning. On a shared CPU (other processes on the same
-# cores) spinning threads make every parallel region wait for a descheduled peer: measured here,
-# a tiny model's training step took 80 ms with 2 spinning threads, 4 ms with passive ones. It has
-# to be set before torch (and its OpenMP runtime) is loaded, i.e. here; an explicit setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from dgemma import shipped  # noqa: E402
-from dgemma.errors import DGemmaError  # noqa: E402
+from dgemma import shipped
+from dgemma.errors import DGemmaError
 
 CHOICES = ("decode", "loss", "attention", "train", "gpu", "all")
 ALL = ("decode", "loss", "attention", "train", "gpu")
