@@ -1,0 +1,66 @@
+"""Tokens per forward against quality for the adapted PubMedQA model: its commit sampler at several
+step counts and commit blocks, beside its AR fine-tune, on the first N test questions.
+
+    python scripts/pubmedqa_sweep.py [--workdir checkpoints/pubmedqa_270m] [--questions 32] [--batch 16]
+
+How far the 2.5x-AR decoding target is: a denoising pass of this model costs about two AR steps
+at batch 1 (docs/benchmarks.md), so the sampler must commit about 5 tokens a pass at the AR
+fine-tune's quality. Each row decodes the same questions through ``dgemma/eval/harness.py``
+(greedy, no early stop, the run's own sampler settings except the ones named) and scores them
+with the task (accuracy, unparsed verdicts, BLEU, macro-F1). Time is at batch ``--batch``, so
+compare ``tok/fwd`` and quality across rows, not seconds with the batch-1 tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from dgemma.eval import harness
+from dgemma.tasks import get_task
+from dgemma.training.runs import load_run
+
+# (row name, steps, eval_ds overrides); blocks of 4 are the shipped evaluations' setting
+VARIANTS = [("S=32 block 4", 32, {}), ("S=16 block 4", 16, {}), ("S=16 block 8", 16, {"commit_block": 8}),
+            ("S=8 block 4", 8, {}), ("S=8 block 8", 8, {"commit_block": 8}), ("S=8 no block", 8, {"commit_block": None}),
+            ("S=8 block 4, margin order", 8, {"commit_order": "margin"}),
+            ("S=8 block 4, confidence only", 8, {"commit_stable_first": False}), ("S=4 block 4", 4, {})]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="checkpoints/pubmedqa_270m", help="the adapter; its AR fine-tune in DIR/ar")
+    p.add_argument("--questions", type=int, default=32, help="first N test questions")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    wd = Path(args.workdir)
+    diff, ar = load_run(wd, dtype=args.dtype), load_run(wd / "ar", dtype=args.dtype)
+    task = get_task("pubmedqa").configure(diff.cfg)
+    questions = task.load(diff.cfg, "test", limit=args.questions)
+    base = diff.cfg.eval_ds
+    print(f"{len(questions)} test questions, batch {args.batch}, {next(diff.model.parameters()).dtype}, LoRA {diff.lora}\n")
+    print("| row | tok/fwd | s | accuracy | unparsed | BLEU | macro-F1 |\n|---|---|---|---|---|---|---|")
+
+    def show(name: str, run, gen, steps: int = 0) -> None:
+        st = gen.stats(steps)
+        m = task.score([run.tokenizer.decode(t) for t in gen.tokens], gen.records)
+        print(f"| {name} | {st['tokens_per_forward']:.2f} | {st['seconds']:.1f} | {m['accuracy']:.3f} | "
+              f"{m['unparsed']} | {m['bleu']:.2f} | {m['macro_f1']:.3f} |", flush=True)
+
+    ar_tokens = ar.cfg.diffusion.canvas_size * harness.max_canvases(ar.cfg)
+    show("AR fine-tune", ar, harness.generate_ar(ar, task, questions, batch_size=args.batch, max_new_tokens=ar_tokens))
+    for name, steps, overrides in VARIANTS:
+        diff.cfg.eval_ds = dataclasses.replace(base, **overrides)
+        sampler, _ = harness.build_sampler(diff, task, num_steps=steps, step_type="commit", temperature=0.0,
+                                           early_stopping=None)
+        show(name, diff, harness.generate(diff, sampler, questions, batch_size=args.batch, seed=base.seed), steps)
+
+
+if __name__ == "__main__":
+    main()
