@@ -313,6 +313,20 @@ class MetricsLog:
         self.jsonl.write(json.dumps({"step": step, "split": prefix, **values}) + "\n")
         self.jsonl.flush()
 
+    def logged(self, step: int, split: str) -> bool:
+        """Whether ``metrics.jsonl`` holds a ``split`` row of ``step`` (False when disabled)."""
+        if not self.enabled:
+            return False
+        self.jsonl.flush()
+        for line in (Path(self.jsonl.name)).read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("step") == step and row.get("split") == split:
+                return True
+        return False
+
     def event(self, step: int, text: str) -> None:
         if self.enabled:
             self.jsonl.write(json.dumps({"step": step, "event": text}) + "\n")
@@ -428,6 +442,9 @@ class Trainer:
         elif cfg.init.weights:
             self.warm_start(Path(cfg.init.weights))
         self.log = MetricsLog(self.workdir, self.rank == 0, resumed_at=resumed_at)
+        # a kill during the evaluation at the checkpoint's own step left it unlogged: redo it first
+        self.eval_pending = (resumed_at is not None and bool(self.hooks) and self.rank == 0
+                             and self.eval_due(resumed_at) and not self.log.logged(resumed_at, "eval"))
         if self.rank == 0:  # after the resume check: a refused resume leaves the run's config.json alone
             save_config(cfg, self.workdir)
 
@@ -574,6 +591,18 @@ class Trainer:
         self.log.event(self.step, msg)
 
     # -- loop -----------------------------------------------------------------------------------
+    def eval_due(self, step: int) -> bool:
+        """Whether the hooks evaluate after ``step``: every ``train.eval_every`` steps and at the end."""
+        every = self.cfg.train.eval_every
+        return bool(every and step % every == 0) or step == self.cfg.train.steps
+
+    def evaluate(self) -> None:
+        """Run every hook on the current weights (the average, with ``train.ema``: what is saved
+        for evaluation) and log what each returns under ``eval/``."""
+        with self.ema.applied() if self.ema is not None else nullcontext():
+            for hook in self.hooks:
+                self.log.scalars(self.step, hook(self, self.step), prefix="eval")
+
     def run(self) -> dict:
         from tqdm import tqdm
 
@@ -581,6 +610,10 @@ class Trainer:
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=self.rank != 0, unit="step",
                    dynamic_ncols=True, desc="train")
         last = {}
+        if self.eval_pending:
+            self.say(f"step {self.step}: its evaluation was not logged before the run stopped; running it now")
+            self.evaluate()
+            self.eval_pending = False
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
             batches = [{k: v.to(self.device) for k, v in self.data.batch(self.order.next_batch(cfg.data.batch_size)).items()}
@@ -618,11 +651,8 @@ class Trainer:
             bar.update(1)
             if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
                 self.save()
-            if self.hooks and self.rank == 0 and ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
-                               or self.step == cfg.train.steps):
-                with self.ema.applied() if self.ema is not None else nullcontext():  # evaluate what is saved for it
-                    for hook in self.hooks:
-                        self.log.scalars(self.step, hook(self, self.step), prefix="eval")
+            if self.hooks and self.rank == 0 and self.eval_due(self.step):
+                self.evaluate()
             last = out
         bar.close()
         self.log.close()

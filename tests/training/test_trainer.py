@@ -4,6 +4,7 @@ and the reference recipes."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -198,6 +199,37 @@ def test_rewind_metrics_keeps_what_was_logged_up_to_the_resumed_step(tmp_path):
     assert rewind_metrics(path, 2) == 4
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:2]
     assert rewind_metrics(path, 2) == 0 and not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+def test_an_evaluation_cut_off_at_the_checkpoint_step_is_redone_on_resume(tmp_path):
+    """A kill during the evaluation that follows checkpoint 2 leaves no eval row of step 2: the
+    resumed run evaluates step 2 before step 3, and its log equals an uninterrupted run's."""
+    from dgemma.training.trainer import Trainer
+
+    def run(workdir, calls):
+        def hook(trainer, step):
+            calls.append(step)
+            return {"probe": float(sum(p.detach().double().sum() for p in trainer.model.parameters()))}
+
+        Trainer(config(LORA_TINY, workdir, "--cfg.train.steps=4", "--cfg.train.checkpoint_every=2",
+                       "--cfg.train.eval_every=2", "--cfg.data.batch_size=2"), hooks=[hook]).run()
+
+    ref_calls, calls = [], []
+    run(tmp_path / "ref", ref_calls)
+    run(tmp_path / "run", calls)
+    assert ref_calls == calls == [2, 4]
+    # what a kill in the middle of step 2's evaluation leaves: checkpoint 2, no eval row of step 2 yet
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000004")
+    path = tmp_path / "run" / "metrics.jsonl"
+    kept = [line for line in path.read_text().splitlines()
+            if (row := json.loads(line))["step"] < 2 or (row["step"] == 2 and row.get("split") != "eval")]
+    path.write_text("".join(line + "\n" for line in kept))
+    assert not any(r.get("split") == "eval" for r in records(tmp_path / "run"))
+    calls.clear()
+    run(tmp_path / "run", calls)
+    assert calls == [2, 4]
+    rows = lambda w: [(r["step"], r.get("split"), r.get("loss", r.get("probe"))) for r in records(w) if "split" in r]
+    assert rows(tmp_path / "run") == rows(tmp_path / "ref")
 
 
 # ------------------------------------------------------------------------------- rollback
