@@ -25,7 +25,8 @@ from dgemma.training.runs import load_run
 
 # (row name, steps, eval_ds overrides); blocks of 4 are the shipped evaluations' setting
 VARIANTS = [("S=32 block 4", 32, {}), ("S=16 block 4", 16, {}), ("S=16 block 8", 16, {"commit_block": 8}),
-            ("S=8 block 4", 8, {}), ("S=8 block 8", 8, {"commit_block": 8}), ("S=8 no block", 8, {"commit_block": None}),
+            ("S=8 block 4", 8, {}), ("S=8 block 8", 8, {"commit_block": 8}),
+            ("S=8 no block", 8, {"commit_block": None}),
             ("S=8 block 4, margin order", 8, {"commit_order": "margin"}),
             ("S=8 block 4, confidence only", 8, {"commit_stable_first": False}), ("S=4 block 4", 4, {})]
 
@@ -44,7 +45,8 @@ def main() -> None:
     task = get_task("pubmedqa").configure(diff.cfg)
     questions = task.load(diff.cfg, "test", limit=args.questions)
     base = diff.cfg.eval_ds
-    print(f"{len(questions)} test questions, batch {args.batch}, {next(diff.model.parameters()).dtype}, LoRA {diff.lora}\n")
+    dtype = next(diff.model.parameters()).dtype
+    print(f"{len(questions)} test questions, batch {args.batch}, {dtype}, LoRA {diff.lora}\n")
     print("| row | tok/fwd | s | accuracy | unparsed | BLEU | macro-F1 |\n|---|---|---|---|---|---|---|")
 
     def show(name: str, run, gen, steps: int = 0) -> None:

@@ -318,7 +318,7 @@ class MetricsLog:
         if not self.enabled:
             return False
         self.jsonl.flush()
-        for line in (Path(self.jsonl.name)).read_text().splitlines():
+        for line in Path(self.jsonl.name).read_text().splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
