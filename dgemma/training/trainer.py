@@ -318,14 +318,8 @@ class MetricsLog:
         if not self.enabled:
             return False
         self.jsonl.flush()
-        for line in Path(self.jsonl.name).read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and row.get("step") == step and row.get("split") == split:
-                return True
-        return False
+        rows = map(_metrics_row, Path(self.jsonl.name).read_text().splitlines())
+        return any(row is not None and row["step"] == step and row.get("split") == split for row in rows)
 
     def event(self, step: int, text: str) -> None:
         if self.enabled:
@@ -339,6 +333,15 @@ class MetricsLog:
             self.jsonl.close()
 
 
+def _metrics_row(line: str) -> dict | None:
+    """One ``metrics.jsonl`` line as a dict with an integer ``step``; None for a torn or foreign line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
 def rewind_metrics(path: Path, step: int) -> int:
     """Keep the lines of ``metrics.jsonl`` logged at or before ``step``; returns how many were dropped.
 
@@ -346,17 +349,9 @@ def rewind_metrics(path: Path, step: int) -> int:
     and a rename, so a kill here leaves the old file or the new one. Example, ``step=2``: lines
     of steps ``1 2 3 4 3`` and a torn ``{"st`` -> ``1 2``.
     """
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-            keep = isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step
-        except json.JSONDecodeError:
-            keep = False
-        if keep:
-            kept.append(line)
-        else:
-            dropped += 1
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if (row := _metrics_row(line)) is not None and row["step"] <= step]
+    dropped = len(lines) - len(kept)
     if dropped:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
@@ -442,9 +437,6 @@ class Trainer:
         elif cfg.init.weights:
             self.warm_start(Path(cfg.init.weights))
         self.log = MetricsLog(self.workdir, self.rank == 0, resumed_at=resumed_at)
-        # a kill during the evaluation at the checkpoint's own step left it unlogged: redo it first
-        self.eval_pending = (resumed_at is not None and bool(self.hooks) and self.rank == 0
-                             and self.eval_due(resumed_at) and not self.log.logged(resumed_at, "eval"))
         if self.rank == 0:  # after the resume check: a refused resume leaves the run's config.json alone
             save_config(cfg, self.workdir)
 
@@ -610,10 +602,12 @@ class Trainer:
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=self.rank != 0, unit="step",
                    dynamic_ncols=True, desc="train")
         last = {}
-        if self.eval_pending:
+        # resumed (only a restore moves the step before the loop) from a kill during the evaluation
+        # at the checkpoint's own step, which left no eval row: redo it first
+        if (self.hooks and self.rank == 0 and self.step and self.eval_due(self.step)
+                and not self.log.logged(self.step, "eval")):
             self.say(f"step {self.step}: its evaluation was not logged before the run stopped; running it now")
             self.evaluate()
-            self.eval_pending = False
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
             batches = [{k: v.to(self.device) for k, v in self.data.batch(self.order.next_batch(cfg.data.batch_size)).items()}

@@ -53,6 +53,14 @@ def losses(workdir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(workdir) if r.get("split") == "train"}
 
 
+def scalars(workdir, tag: str):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(workdir) / "tb"))
+    acc.Reload()
+    return acc.Scalars(tag)
+
+
 def assert_same_tensors(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -171,22 +179,11 @@ def test_kill_and_resume_is_bitwise_identical(reference, tmp_path):
     train_steps = [r["step"] for r in records(workdir) if r.get("split") == "train"]
     assert train_steps == [1, 2, 3, 4, 5, 6]
     assert losses(workdir) == losses(ref_dir)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(workdir / "tb"))  # every event file of the three processes, in order
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
-    assert [e.value for e in acc.Scalars("train/loss")] == [e.value for e in _scalars(ref_dir, "train/loss")]
+    mine = scalars(workdir, "train/loss")  # every event file of the three processes, in order
+    assert [e.step for e in mine] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in mine] == [e.value for e in scalars(ref_dir, "train/loss")]
     print(f"\nkill/resume: first checkpoint after {t_first:.1f}s, temp dir seen after {t_tmp:.1f}s, "
           f"final resume ran {t_last:.1f}s")
-
-
-def _scalars(workdir, tag: str):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(Path(workdir) / "tb"))
-    acc.Reload()
-    return acc.Scalars(tag)
 
 
 def test_rewind_metrics_keeps_what_was_logged_up_to_the_resumed_step(tmp_path):
