@@ -51,7 +51,7 @@ def main() -> None:
 
     def show(name: str, run, gen, steps: int = 0) -> None:
         st = gen.stats(steps)
-        m = task.score([run.tokenizer.decode(t) for t in gen.tokens], gen.records)
+        _, m = gen.scored(task, run.tokenizer)
         print(f"| {name} | {st['tokens_per_forward']:.2f} | {st['seconds']:.1f} | {m['accuracy']:.3f} | "
               f"{m['unparsed']} | {m['bleu']:.2f} | {m['macro_f1']:.3f} |", flush=True)
 

@@ -608,7 +608,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
 
     def add(name: str, kind: str, run, gen, batch: int, steps: int | None) -> None:
         st = gen.stats(steps or 0)
-        metrics = task.score([run.tokenizer.decode(t) for t in gen.tokens], gen.records)
+        _, metrics = gen.scored(task, run.tokenizer)
         row = {"name": name, "model": "pubmedqa", "kind": kind, "batch": batch, "steps": steps,
                "n_questions": len(gen.records), "tokens": st["tokens"], "forward_passes": st["forward_passes"],
                "tokens_per_forward": st["tokens_per_forward"], "seconds": st["seconds"],

@@ -194,6 +194,11 @@ class Generation:
                 "mean_steps_per_canvas": sum(canvases) / max(len(canvases), 1),
                 "early_stopped_canvases": sum(s < num_steps for s in canvases), "truncated_prompts": self.truncated}
 
+    def scored(self, task, tokenizer) -> tuple[list[str], dict]:
+        """The decoded texts and the task's metrics of them."""
+        texts = [tokenizer.decode(t) for t in self.tokens]
+        return texts, task.score(texts, self.records)
+
 
 def generate(run, sampler: CanvasSampler, records: list[dict], *, batch_size: int, max_batches: int | None = None,
              seed: int = 0, record_first: int = 0) -> Generation:
@@ -297,8 +302,7 @@ def evaluate(run, task, *, eval_name: str, num_steps: int, step_type: str, tempe
                                       early_stopping=early_stopping)
     gen = generate(run, sampler, records, batch_size=e.batch_size, max_batches=cfg.aux.eval_num_batches,
                    seed=e.seed, record_first=visualize)
-    texts = [run.tokenizer.decode(t) for t in gen.tokens]
-    metrics = task.score(texts, gen.records)
+    texts, metrics = gen.scored(task, run.tokenizer)
     stats = gen.stats(num_steps)
     if ar_stats is None and ar_max_tokens > 0:
         ar_stats = ar_baseline(run, task, records, batch_size=e.batch_size,
@@ -333,8 +337,7 @@ def evaluate_ar(run, task, *, eval_name: str, split: str | None = None, records:
     dev = _device(run.model)
     gen = generate_ar(run, task, records, batch_size=e.batch_size, max_batches=cfg.aux.eval_num_batches,
                       max_new_tokens=max_new)
-    texts = [run.tokenizer.decode(t) for t in gen.tokens]
-    metrics = task.score(texts, gen.records)
+    texts, metrics = gen.scored(task, run.tokenizer)
     stats = gen.stats(0)
     settings = {"decoder": "ar_greedy", "max_new_tokens": max_new, "stop_ids": list(task.stop_ids(run.tokenizer)),
                 "batch_size": e.batch_size, "num_batches": cfg.aux.eval_num_batches, "prompt_len": cfg.data.prompt_len,
