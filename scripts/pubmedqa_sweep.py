@@ -23,25 +23,32 @@ from dgemma.eval import harness
 from dgemma.tasks import get_task
 from dgemma.training.runs import load_run
 
-# (row name, steps, eval_ds overrides); blocks of 4 are the shipped evaluations' setting
-VARIANTS = [("S=32 block 4", 32, {}), ("S=16 block 4", 16, {}), ("S=16 block 8", 16, {"commit_block": 8}),
-            ("S=8 block 4", 8, {}), ("S=8 block 8", 8, {"commit_block": 8}),
-            ("S=8 no block", 8, {"commit_block": None}),
-            ("S=8 block 4, margin order", 8, {"commit_order": "margin"}),
-            ("S=8 block 4, confidence only", 8, {"commit_stable_first": False}), ("S=4 block 4", 4, {})]
+# (row name, step rule, steps, eval_ds overrides); blocks of 4 are the shipped evaluations' setting. The
+# confidence rule's steps are a ceiling: it commits every position above the threshold, so its pace follows the
+# model's certainty and a canvas ends as soon as every position is committed.
+VARIANTS = [("S=32 block 4", "commit", 32, {}), ("S=16 block 4", "commit", 16, {}),
+            ("S=16 block 8", "commit", 16, {"commit_block": 8}), ("S=8 block 4", "commit", 8, {}),
+            ("S=8 block 8", "commit", 8, {"commit_block": 8}), ("S=8 no block", "commit", 8, {"commit_block": None}),
+            ("S=8 block 4, margin order", "commit", 8, {"commit_order": "margin"}),
+            ("S=8 block 4, confidence only", "commit", 8, {"commit_stable_first": False}),
+            ("S=4 block 4", "commit", 4, {})]
+VARIANTS += [(f"p>{p} block {b or 'none'}, S<=32", "confidence", 32, {"confidence_threshold": p, "commit_block": b})
+             for p, b in [(0.9, 4), (0.7, 4), (0.5, 4), (0.3, 4), (0.9, 8), (0.7, 8), (0.9, None)]]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", default="checkpoints/pubmedqa_270m", help="the adapter; its AR fine-tune in DIR/ar")
+    p.add_argument("--workdir", default="checkpoints/pubmedqa_270m", help="the adapter")
+    p.add_argument("--step", type=int, default=None, help="the adapter's checkpoint (default: its latest)")
+    p.add_argument("--ar", default="checkpoints/pubmedqa_270m/ar", help="the AR fine-tune of the same weights")
     p.add_argument("--questions", type=int, default=32, help="first N test questions")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", nargs="*", help="only the rows whose name starts with one of these (the AR row: 'AR')")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    wd = Path(args.workdir)
-    diff, ar = load_run(wd, dtype=args.dtype), load_run(wd / "ar", dtype=args.dtype)
+    diff = load_run(Path(args.workdir), step=args.step, dtype=args.dtype)
     task = get_task("pubmedqa").configure(diff.cfg)
     questions = task.load(diff.cfg, "test", limit=args.questions)
     base = diff.cfg.eval_ds
@@ -55,11 +62,17 @@ def main() -> None:
         print(f"| {name} | {st['tokens_per_forward']:.2f} | {st['seconds']:.1f} | {m['accuracy']:.3f} | "
               f"{m['unparsed']} | {m['bleu']:.2f} | {m['macro_f1']:.3f} |", flush=True)
 
-    ar_tokens = ar.cfg.diffusion.canvas_size * harness.max_canvases(ar.cfg)
-    show("AR fine-tune", ar, harness.generate_ar(ar, task, questions, batch_size=args.batch, max_new_tokens=ar_tokens))
-    for name, steps, overrides in VARIANTS:
+    def wanted(name: str) -> bool:
+        return not args.rows or any(name.startswith(r) for r in args.rows)
+
+    if wanted("AR"):
+        ar = load_run(Path(args.ar), dtype=args.dtype)
+        ar_tokens = ar.cfg.diffusion.canvas_size * harness.max_canvases(ar.cfg)
+        show("AR fine-tune", ar, harness.generate_ar(ar, task, questions, batch_size=args.batch,
+                                                     max_new_tokens=ar_tokens))
+    for name, step_type, steps, overrides in filter(lambda v: wanted(v[0]), VARIANTS):
         diff.cfg.eval_ds = dataclasses.replace(base, **overrides)
-        sampler, _ = harness.build_sampler(diff, task, num_steps=steps, step_type="commit", temperature=0.0,
+        sampler, _ = harness.build_sampler(diff, task, num_steps=steps, step_type=step_type, temperature=0.0,
                                            early_stopping=None)
         show(name, diff, harness.generate(diff, sampler, questions, batch_size=args.batch, seed=base.seed), steps)
 

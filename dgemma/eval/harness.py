@@ -201,9 +201,11 @@ class Generation:
 
 
 def generate(run, sampler: CanvasSampler, records: list[dict], *, batch_size: int, max_batches: int | None = None,
-             seed: int = 0, record_first: int = 0) -> Generation:
+             seed: int = 0, record_first: int = 0, pins: list[list[int]] | None = None) -> Generation:
     """Sample every batch with one generator seeded by ``seed``; keep trajectories of the first
-    ``record_first`` examples (recording draws nothing, so outputs are the same either way)."""
+    ``record_first`` examples (recording draws nothing, so outputs are the same either way).
+    ``pins``: per record, response tokens to pin from the first canvas position on (a forced
+    prefix), instead of the task's own hints (:func:`clue_hints`)."""
     dev = _device(run.model)
     gen = torch.Generator(device=dev).manual_seed(seed)
     pad_to = run.cfg.data.prompt_len if run.model.config.attn_implementation == "flex" else None
@@ -213,7 +215,11 @@ def generate(run, sampler: CanvasSampler, records: list[dict], *, batch_size: in
         ids, valid, truncated = encode_prompts(run.tokenizer, batch, run.cfg.data.prompt_len, pad_to=pad_to,
                                                device=dev)
         sampler.record = first < record_first
-        hints = clue_hints(run, batch, sampler.max_canvases * sampler.canvas_size)
+        width = sampler.max_canvases * sampler.canvas_size
+        if pins is None:
+            hints = clue_hints(run, batch, width)
+        else:
+            hints = torch.tensor([(list(p) + [-1] * width)[:width] for p in pins[first:first + len(batch)]])
         res = sampler(run.model, ids, valid, generator=gen, hints=None if hints is None else hints.to(dev))
         out.records += batch
         out.tokens += res.tokens

@@ -321,6 +321,21 @@ def test_pinned_clues_reach_the_sampler(workdir):
         assert run.tokenizer.decode([first["tokens"][n] for n in clues]) == "".join(r["puzzle"][n] for n in clues)
 
 
+def test_pins_force_a_prefix_per_record_and_the_rest_is_unchanged(workdir):
+    """``pins`` fixes each record's first response tokens (a forced prefix, pubmedqa_distill's verdict)."""
+    run = load(workdir)
+    task = get_task("sudoku")
+    recs = task.load(run.cfg, limit=4)
+    sampler, _ = harness.build_sampler(run, task, num_steps=3, step_type="commit", temperature=0.0,
+                                       early_stopping=None)
+    free = harness.generate(run, sampler, recs, batch_size=4)
+    prefix = run.tokenizer.encode("987")
+    pinned = harness.generate(run, sampler, recs, batch_size=4, pins=[prefix, [], prefix, []])
+    for i in (0, 2):
+        assert pinned.tokens[i][:len(prefix)] == prefix
+        assert free.tokens[i][:len(prefix)] != prefix  # the pin changed something
+
+
 def test_generic_completion_task(tmp_path):
     from dgemma.training.config import Config
 
