@@ -32,19 +32,21 @@ import torch
 from dgemma.data.sft import read_jsonl
 from dgemma.eval import harness
 from dgemma.tasks import get_task
+from dgemma.tasks.pubmedqa import format_target
 from dgemma.training.runs import load_run
 
 
 def verdict_hints(tokenizer, records: list[dict]) -> list[list[int]]:
-    """Per record, the token ids of its reference answer's verdict sentence, "The answer is: X.",
-    which must be how its full reference answer starts once tokenized."""
+    """Per record, the token ids of its label's verdict sentence as the data was prepared
+    (``dgemma/tasks/pubmedqa.py:format_target``, verdict first: "The answer is: X."), which must be
+    how its reference answer starts once tokenized."""
     rows = []
     for r in records:
-        verdict = r["response"][: r["response"].index(".") + 1]
+        verdict = format_target("", r["label"], "first").rstrip()
         ids = tokenizer.encode(verdict)
-        if tokenizer.encode(r["response"])[: len(ids)] != ids or not verdict.startswith("The answer is: "):
-            raise SystemExit(f"record {r['id']}: the reference answer does not start with a verdict sentence "
-                             f"that tokenizes on its own ({verdict!r})")
+        if tokenizer.encode(r["response"])[: len(ids)] != ids:
+            raise SystemExit(f"record {r['id']}: the reference answer does not start with {verdict!r} as tokens "
+                             f"(prepare the data with --verdict first)")
         rows.append(ids)
     return rows
 
