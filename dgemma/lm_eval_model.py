@@ -59,6 +59,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from dgemma.data.sft import pin_rows
 from dgemma.data.sudoku import parse_puzzle
 from dgemma.device import resolve_dtype
 from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
@@ -260,8 +261,8 @@ class DGemmaLM(TemplateLM):
                 pins = puzzle_hint(parse_puzzle(text), self.tok)
             except DGemmaError:
                 pins = []  # not a puzzle: nothing pinned
-            rows.append((pins + [-1] * width)[:width])
-        return torch.tensor(rows, dtype=torch.long, device=self.device_)
+            rows.append(pins)
+        return pin_rows(rows, width, self.device_)
 
     def _pad(self, rows: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         width = width or max(map(len, rows))

@@ -65,7 +65,7 @@ def solve(puzzles: list[str], run, *, steps: int, step_type: str, seed: int, bat
     import torch
 
     from dgemma.data.sudoku import is_valid_grid
-    from dgemma.data.sft import encode_prompts
+    from dgemma.data.sft import encode_prompts, pin_rows
     from dgemma.eval.harness import build_sampler
     from dgemma.tasks import get_task
     from dgemma.tasks.sudoku import SYSTEM_PROMPT, extract_digits, format_prompt, puzzle_hint
@@ -83,8 +83,7 @@ def solve(puzzles: list[str], run, *, steps: int, step_type: str, seed: int, bat
         ids, valid, _ = encode_prompts(run.tokenizer, records, run.cfg.data.prompt_len, device=device)
         hints = None
         if run.cfg.data.pin_clues:
-            hints = torch.tensor([(puzzle_hint(p, run.tokenizer) + [-1] * width)[:width] for p in chunk],
-                                 dtype=torch.long, device=device)
+            hints = pin_rows([puzzle_hint(p, run.tokenizer) for p in chunk], width, device)
         res = sampler(run.model, ids, valid, generator=g, hints=hints)
         for p, toks in zip(chunk, res.tokens):
             grid = extract_digits(run.tokenizer.decode(toks)) or ""

@@ -59,6 +59,13 @@ def encode_prompt(tokenizer, record: dict, prompt_len: int) -> tuple[list[int], 
     return encode_prompt_text(tokenizer, render_prompt(tokenizer, record), prompt_len)
 
 
+def pin_rows(pins: list[list[int]], width: int, device=None) -> torch.Tensor:
+    """``[B, width]`` sampler hints from each row's pinned response tokens, counted from the first
+    response position and padded with ``-1`` (free): ``[[7, 8], []]``, width 3 ->
+    ``[[7, 8, -1], [-1, -1, -1]]``."""
+    return torch.tensor([(list(p) + [-1] * width)[:width] for p in pins], dtype=torch.long, device=device)
+
+
 def encode_prompts(tokenizer, records: list[dict], prompt_len: int, *, pad_to: int | None = None,
                    device=None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Right-padded ``(ids, valid, n_truncated)``: padded to the longest prompt, or ``pad_to``."""

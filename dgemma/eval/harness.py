@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dgemma.data.sft import encode_prompts, response_end_id
+from dgemma.data.sft import encode_prompts, pin_rows, response_end_id
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import evaluate_verified
@@ -139,11 +139,9 @@ def clue_hints(run, records: list[dict], width: int) -> torch.Tensor | None:
     fn = get_task(run.cfg.data.task).hints(run.cfg, run.tokenizer)
     if fn is None:
         return None
-    tok, rows = run.tokenizer, []
-    for r in records:
-        pins = fn(r, tok.encode(r["response"]) + [response_end_id(tok, run.cfg.data.response_end)]) or []
-        rows.append((list(pins) + [-1] * width)[:width])
-    return torch.tensor(rows, dtype=torch.long)
+    tok = run.tokenizer
+    return pin_rows([fn(r, tok.encode(r["response"]) + [response_end_id(tok, run.cfg.data.response_end)]) or []
+                     for r in records], width)
 
 
 def eval_limit(cfg) -> int | None:
@@ -216,10 +214,7 @@ def generate(run, sampler: CanvasSampler, records: list[dict], *, batch_size: in
                                                device=dev)
         sampler.record = first < record_first
         width = sampler.max_canvases * sampler.canvas_size
-        if pins is None:
-            hints = clue_hints(run, batch, width)
-        else:
-            hints = torch.tensor([(list(p) + [-1] * width)[:width] for p in pins[first:first + len(batch)]])
+        hints = clue_hints(run, batch, width) if pins is None else pin_rows(pins[first:first + len(batch)], width)
         res = sampler(run.model, ids, valid, generator=gen, hints=None if hints is None else hints.to(dev))
         out.records += batch
         out.tokens += res.tokens

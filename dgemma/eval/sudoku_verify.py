@@ -72,7 +72,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from dgemma.data.sft import encode_prompts
+from dgemma.data.sft import encode_prompts, pin_rows
 from dgemma.data.sudoku import _UNITS, grid_error, parse_puzzle
 from dgemma.errors import DGemmaError
 from dgemma.sampling import build_sampler, eval_settings
@@ -438,7 +438,7 @@ def solve_verified(model, tokenizer, puzzles: list[str] | str, *, sampler, round
         return ids, valid
 
     def hints_of(pins):
-        return torch.tensor([(p + [-1] * width)[:width] for p in pins], dtype=torch.long, device=dev)
+        return pin_rows(pins, width, dev)
 
     round_passes: list[list[int]] = [[] for _ in range(n)]
 
