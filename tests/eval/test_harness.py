@@ -322,8 +322,11 @@ def test_pinned_clues_reach_the_sampler(workdir):
 
 
 def test_pins_force_a_prefix_per_record_and_the_rest_is_unchanged(workdir):
-    """``pins`` fixes each record's first response tokens (a forced prefix, pubmedqa_distill's verdict)."""
-    run = load(workdir)
+    """``pins`` fixes each record's first response tokens (a forced prefix, pubmedqa_distill's verdict).
+
+    Rows are independent: a row that pins nothing decodes what it decodes without pins. (With
+    ``pin_clues`` the pins replace the clue hints, so there an empty pin frees the clues too.)"""
+    run = load(workdir, "--cfg.data.pin_clues=false")
     task = get_task("sudoku")
     recs = task.load(run.cfg, limit=4)
     sampler, _ = harness.build_sampler(run, task, num_steps=3, step_type="commit", temperature=0.0,
@@ -334,6 +337,8 @@ def test_pins_force_a_prefix_per_record_and_the_rest_is_unchanged(workdir):
     for i in (0, 2):
         assert pinned.tokens[i][:len(prefix)] == prefix
         assert free.tokens[i][:len(prefix)] != prefix  # the pin changed something
+    for i in (1, 3):
+        assert pinned.tokens[i] == free.tokens[i]
 
 
 def test_generic_completion_task(tmp_path):
