@@ -38,12 +38,12 @@ from torch import Tensor
 from dgemma.diffusion.corruption import NoiseProcess
 from dgemma.diffusion.schedules import time_grid
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
-from dgemma.diffusion.steps import CanvasState, Step
+from dgemma.diffusion.steps import CanvasState, Step, open_softmax
 from dgemma.diffusion.stopping import NoStop, StoppingRule
 from dgemma.errors import DGemmaError
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
-from dgemma.models.selfcond import probs_embedding
+from dgemma.models.selfcond import embed_probs, probs_embedding
 
 
 @dataclass
@@ -457,9 +457,19 @@ def selfcond_signal(logits: Tensor, temperature: float, embed: Tensor, tokens: T
     """The next step's self-conditioning input, ``softmax(logits / T) @ E`` (``[B, C, d]``).
 
     Where ``open_`` is False the logits are a one-hot (:func:`vocab_logits`), whose softmax is
-    exactly that token: the signal is its embedding row, looked up instead of multiplied out.
+    exactly that token: the signal is its embedding row, looked up instead of multiplied out. At
+    ``T = 1`` (what a greedy sampler conditions on) the softmax is the one the step's prediction
+    computed (``dgemma/diffusion/steps.py:open_softmax``).
     """
-    if open_ is None or bool(open_.all()):
+    whole = open_ is None or bool(open_.all())
+    if temperature == 1.0:  # the plain softmax, which a greedy step's prediction computed already
+        probs = embed_probs(open_softmax(logits, open_), embed)
+        if whole:
+            return probs.view(*logits.shape[:-1], -1)
+        out = embed[tokens]  # [B, C, d]
+        out[open_] = probs
+        return out
+    if whole:
         return probs_embedding(logits / temperature, embed)
     out = embed[tokens]  # [B, C, d]
     out[open_] = probs_embedding(logits[open_] / temperature, embed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -110,16 +111,60 @@ def predict(logits: Tensor, temperature: float, generator: torch.Generator,
         pred = state.tokens.clone()
         conf = torch.ones(open_.shape, dtype=torch.float32, device=logits.device)
         if bool(open_.any()):
-            conf[open_], pred[open_] = F.softmax(logits[open_].float(), dim=-1).max(dim=-1)
+            conf[open_], pred[open_] = _fp32_softmax(logits, open_).max(dim=-1)
         return pred, conf
-    logits = logits.float()
     if temperature <= 0:
-        conf, pred = F.softmax(logits, dim=-1).max(dim=-1)
-        return pred, conf
+        conf, pred = _fp32_softmax(logits, None).max(dim=-1)
+        return pred.view(logits.shape[:-1]), conf.view(logits.shape[:-1])
+    logits = logits.float()
     probs = F.softmax(logits / temperature, dim=-1)
     flat = probs.reshape(-1, probs.shape[-1])
     pred = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
     return pred, probs.gather(-1, pred.unsqueeze(-1)).squeeze(-1)
+
+
+def _fp32_softmax(logits: Tensor, open_: Tensor | None) -> Tensor:
+    """A prediction's fp32 softmax: shared with the self-conditioning signal except for fp64
+    logits, whose signal stays in fp64 (the exactness tests) while the prediction reads fp32."""
+    if logits.dtype != torch.float64:
+        return open_softmax(logits, open_)
+    rows = logits.reshape(-1, logits.shape[-1]) if open_ is None or bool(open_.all()) else logits[open_]
+    return F.softmax(rows.float(), dim=-1)
+
+
+def open_softmax(logits: Tensor, open_: Tensor | None) -> Tensor:
+    """``softmax(logits[open_])`` in fp32 (fp64 for fp64 logits): ``[N_open, V]`` (every position,
+    ``[B * C, V]``, when ``open_`` is None or all True), remembered for the last ``logits [B, C, V]``.
+
+    A greedy step's prediction and the self-conditioning signal of the next step read the same
+    plain softmax. At Gemma's 262,144 tokens, one softmax of 16 open positions reads 8 MB of bf16
+    logits and writes 16 MB of fp32, and a second identical one cost ~10 ms of a ~130 ms PubMedQA
+    pass (``docs/benchmarks.md``); the second reader now gets the first's tensor. The memo is keyed
+    on the logits object (weakly: it is dropped with them), their in-place version and the mask's
+    values, so a changed tensor or mask is recomputed.
+    """
+    whole = open_ is None or bool(open_.all())
+    key = (logits._version, None if whole else open_.clone())
+    if _OPEN_SOFTMAX and _OPEN_SOFTMAX[0]() is logits and _same_key(_OPEN_SOFTMAX[1], key):
+        return _OPEN_SOFTMAX[2]
+    rows = logits.reshape(-1, logits.shape[-1]) if whole else logits[open_]
+    probs = F.softmax(rows.to(torch.promote_types(rows.dtype, torch.float32)), dim=-1)
+    _OPEN_SOFTMAX[:] = [weakref.ref(logits, _forget), key, probs]
+    return probs
+
+
+_OPEN_SOFTMAX: list = []  # [weakref to the logits, (version, open mask or None), probabilities]
+
+
+def _forget(ref: weakref.ref) -> None:
+    if _OPEN_SOFTMAX and _OPEN_SOFTMAX[0] is ref:  # the remembered logits died: free their probabilities
+        _OPEN_SOFTMAX.clear()
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    if a[0] != b[0] or (a[1] is None) != (b[1] is None):
+        return False
+    return a[1] is None or (a[1].shape == b[1].shape and torch.equal(a[1], b[1]))
 
 
 def _check_temperature(temperature: float) -> float:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dgemma.device import cpu_bf16_features
 from dgemma.models.primitives import GeGLU, RMSNorm
 
 
@@ -84,7 +85,29 @@ def probs_embedding(logits: Tensor, weight: Tensor) -> Tensor:
     model never casts its ``[V, d]`` embedding (670 MB in fp32 for Gemma 3) at every step.
     """
     probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-    return probs.to(weight.dtype) @ weight
+    return embed_probs(probs, weight)
+
+
+def embed_probs(probs: Tensor, weight: Tensor) -> Tensor:
+    """``probs [.., V] @ weight [V, d]`` in the embedding's dtype (the product of :func:`probs_embedding`).
+
+    On a CPU with AMX, bf16, oneDNN's product of fewer than 16 rows against Gemma's 262,144 x 640
+    embedding took 28-39 ms where 16 rows took 21 (the memory-bound time to read it once); the
+    rows are padded with zeros to 16 there (measured 2026-12-05, ``docs/benchmarks.md``). A zero
+    row changes no other row's sum, so the result is the unpadded product's up to its rounding.
+    """
+    rows = probs.reshape(-1, probs.shape[-1]).to(weight.dtype)
+    n = rows.shape[0]
+    if n < _PAD_ROWS and _pad_small_products(weight):
+        rows = torch.cat([rows, rows.new_zeros(_PAD_ROWS - n, rows.shape[1])])
+    return (rows @ weight)[:n].view(*probs.shape[:-1], weight.shape[1])
+
+
+_PAD_ROWS = 16
+
+
+def _pad_small_products(weight: Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and "amx_bf16" in cpu_bf16_features()
 
 
 def sinusoidal(t: Tensor, dim: int, max_period: float = 10_000.0) -> Tensor:

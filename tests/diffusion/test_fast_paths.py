@@ -4,7 +4,8 @@
 - trimmed prompt padding == the padded batch (fp64 losses, every term);
 - the KV cache's scratch decoder pass == a cache that concatenates (fp64);
 - committed positions skip the LM head: the sampler's logits and self-conditioning signal equal
-  those computed from full logits with committed rows replaced by their one-hot;
+  those computed from full logits with committed rows replaced by their one-hot, and a greedy
+  step and that signal share one softmax;
 - bf16 is chosen from the CPU's flags, never assumed.
 """
 
@@ -18,7 +19,7 @@ from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
 from dgemma.diffusion.objective import DiffusionObjective
 from dgemma.diffusion.sampler import CanvasSampler, selfcond_signal, vocab_logits
 from dgemma.diffusion.schedules import LinearSchedule
-from dgemma.diffusion.steps import CommitStep
+from dgemma.diffusion.steps import CommitStep, open_softmax
 from dgemma.errors import DGemmaError
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
@@ -120,8 +121,50 @@ def test_committed_positions_skip_the_lm_head_exactly():
     ref[closed] = ref[closed].scatter(-1, tokens[closed][:, None], 0.0)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     embed = model.model.embed_tokens.weight
-    torch.testing.assert_close(selfcond_signal(got, 0.7, embed, tokens, open_), probs_embedding(ref / 0.7, embed),
-                               rtol=1e-12, atol=1e-12)
+    for temp in (0.7, 1.0):  # 1.0 (greedy conditioning) reuses the prediction's softmax
+        torch.testing.assert_close(selfcond_signal(got, temp, embed, tokens, open_), probs_embedding(ref / temp, embed),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_the_open_softmax_is_computed_once_per_logits_and_recomputed_when_they_change():
+    """A greedy step and the self-conditioning signal share one softmax of the open rows; a
+    changed tensor (in place), another mask or another tensor gets its own."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, C, V, generator=g, dtype=torch.float64)
+    open_ = torch.tensor([[True, False, True, True], [False, True, True, False]])
+    first = open_softmax(logits, open_)
+    assert open_softmax(logits, open_.clone()) is first  # equal mask values: the same tensor
+    torch.testing.assert_close(first, F.softmax(logits[open_], -1), rtol=0, atol=0)
+    whole = open_softmax(logits, None)
+    assert whole.shape == (2 * C, V) and open_softmax(logits, torch.ones_like(open_)) is whole
+    torch.testing.assert_close(open_softmax(logits, open_), first, rtol=0, atol=0)  # recomputed, same values
+    logits[0, 0] += 1.0  # in place: the version moves on
+    torch.testing.assert_close(open_softmax(logits, open_), F.softmax(logits[open_], -1), rtol=0, atol=0)
+    other = logits.clone()
+    assert open_softmax(other, open_) is not open_softmax(logits, open_)
+
+
+def test_small_self_conditioning_products_are_padded_on_amx_only(monkeypatch):
+    """``embed_probs`` pads fewer than 16 rows with zeros where that was measured to pay (bf16 on an
+    AMX CPU); a padded row is the same sum, so it matches the fp64 product to bf16 rounding, and
+    every row count below 16 gives each row the same bits."""
+    import dgemma.models.selfcond as sc
+
+    g = torch.Generator().manual_seed(4)
+    embed = torch.randn(300, 24, generator=g).to(torch.bfloat16)
+    probs = torch.softmax(torch.randn(5, 300, generator=g) * 3, -1)
+    for amx in (False, True):
+        monkeypatch.setattr(sc, "cpu_bf16_features", lambda: ("amx_bf16",) if amx else ())
+        got = sc.embed_probs(probs, embed)
+        assert got.dtype == torch.bfloat16 and got.shape == (5, 24)
+        torch.testing.assert_close(got.double(), probs.to(torch.bfloat16).double() @ embed.double(),
+                                   rtol=2e-2, atol=2e-3)
+        if amx:
+            assert torch.equal(sc.embed_probs(probs[:2], embed), got[:2])
+        else:
+            assert torch.equal(got, probs.to(torch.bfloat16) @ embed)
+    wide = torch.randn(3, C, 300, generator=g, dtype=torch.float64)
+    assert torch.equal(sc.embed_probs(wide, embed.double()), wide @ embed.double())  # fp64: never padded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
