@@ -225,12 +225,13 @@ class CanvasSampler:
             if self.fill_after_stop and open_ is not None and self.stop_ids:
                 state = fill_after_stop(state, self.stop_ids)
             temp = self.step.sampling_temperature(float(grid[i]), self.temperature)
-            if model.self_conditioning is not None:  # T <= 0 (greedy) conditions on the plain softmax
-                selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, d.embed, state.tokens, open_)
             done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
                 self.stop.update(logits, temp, open_=None if reused else open_)
             settled = state.committed.all(-1)  # every position committed: nothing left to denoise
             done = done | settled
+            # the next step's input, so none after a canvas's last (T <= 0 conditions on the plain softmax)
+            if model.self_conditioning is not None and not bool(done.all()):
+                selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, d.embed, state.tokens, open_)
             if self.on_step is not None:
                 self.on_step(canvas=k, step=i, t=float(grid[i]), rows=rows, tokens=state.tokens,
                              committed=state.committed, argmax=logits.argmax(-1), done=done,
