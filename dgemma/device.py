@@ -112,6 +112,42 @@ def release_free_heap() -> bool:
     return bool(lib is not None and lib.malloc_trim(0))
 
 
+HEAP_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def keep_freed_heap() -> bool:
+    """Let glibc serve big tensors from its heap and keep them there once freed (decoding only).
+
+    A denoising pass allocates and frees vocabulary-sized tensors (at batch 16 on Gemma 3 270M,
+    ~270 MB of canvas logits, the LM head's rows, their probabilities). Above its mmap threshold
+    (at most 32 MB by default) glibc maps each one fresh and unmaps it on free, so every pass
+    faults in hundreds of MB of zeroed pages. With the threshold and the trim threshold at 1 GiB
+    the pages stay mapped and are reused: on the 2-core AMX Xeon (bf16, the PubMedQA adapter, 16
+    questions at batch 16, 16 steps) a pass took 42 ms a row instead of 54, for 3.4 GiB resident
+    instead of 1.7; batch 1 was unchanged (``docs/benchmarks.md``, 2026-12-05). Training keeps the
+    default (its activations vary in size every step: ``release_free_heap``). Called by the
+    decoding commands (``dgemma/cli/main.py:DECODING_VERBS``, ``dgemma bench decode``); leaves the
+    heap alone where the user set any of ``HEAP_ENV`` or the C library is not glibc. Returns
+    whether it changed the policy.
+    """
+    lib = _glibc()
+    if lib is None or any(k in os.environ for k in HEAP_ENV):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = all(lib.mallopt(k, v) == 1 for k, v in ((m_mmap_threshold, 2**30), (m_trim_threshold, 2**30),
+                                                   (m_top_pad, 2**28)))
+    _HEAP["kept"] = _HEAP["kept"] or ok
+    return ok
+
+
+def heap_policy() -> str:
+    """``"kept"`` once :func:`keep_freed_heap` changed glibc's policy in this process, else ``"default"``."""
+    return "kept" if _HEAP["kept"] else "default"
+
+
+_HEAP = {"kept": False}
+
+
 def resident_gib() -> float | None:
     """This process's resident memory (GiB) from ``/proc/self/statm``; None off Linux."""
     try:

@@ -35,6 +35,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dgemma.device import heap_policy
+
 SCHEMA_VERSION = 1
 TIMING_METHOD = ("wall clock (time.perf_counter, CUDA synchronised) around each call; median over the timed "
                  "repeats after the warm-up calls")
@@ -320,6 +322,7 @@ def machine_info(device: str = "cpu") -> dict:
         "cpu_model": cpu_model(),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "heap": heap_policy(),  # glibc's policy for big tensors (dgemma/device.py:keep_freed_heap)
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": _version("transformers"),

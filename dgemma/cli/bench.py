@@ -83,10 +83,13 @@ def run(argv: list[str]) -> int:
 
     from dgemma.bench import attention, decode, gpu, loss, train
     from dgemma.bench.common import Context, jsonable, write_result
+    from dgemma.device import keep_freed_heap
 
     args = parse(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.suite == "decode" and not args.quick:  # as the decoding commands run (cli/main.py:DECODING_VERBS)
+        keep_freed_heap()
     modules = {"decode": decode, "loss": loss, "attention": attention, "train": train, "gpu": gpu}
     ctx = Context(out=Path(args.out), quick=args.quick, profile="quick" if args.quick else "cpu",
                   device=args.device or "cpu", budget_s=args.budget, repeats=args.repeats,

@@ -22,8 +22,12 @@ VERBS = {
     "lm-eval": "dgemma.cli.lm_eval",
 }
 
+# verbs that only decode: glibc keeps their big freed tensors mapped (dgemma/device.py:keep_freed_heap)
+DECODING_VERBS = ("solve", "generate", "eval", "serve", "lm-eval")
+
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="dgemma", description="DiffusionGemma in PyTorch")
     parser.add_argument("verb", choices=sorted(VERBS))
@@ -34,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in VERBS:
         parser.error(f"unknown verb {verb!r}; choose one of {', '.join(sorted(VERBS))}")
     module = importlib.import_module(VERBS[verb])
+    if verb in DECODING_VERBS and from_command_line:  # a process of its own, not a caller's (tests)
+        from dgemma.device import keep_freed_heap
+
+        keep_freed_heap()
     try:
         return int(module.run(rest) or 0)
     except DGemmaError as e:  # one clear line, no trace from deep inside torch

@@ -38,7 +38,7 @@ from torch import Tensor
 from dgemma.diffusion.corruption import NoiseProcess
 from dgemma.diffusion.schedules import time_grid
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
-from dgemma.diffusion.steps import CanvasState, Step, open_softmax
+from dgemma.diffusion.steps import CanvasState, Step, open_softmax, remember_open_rows
 from dgemma.diffusion.stopping import NoStop, StoppingRule
 from dgemma.errors import DGemmaError
 from dgemma.models.kv_cache import KVCache
@@ -450,6 +450,7 @@ def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *,
     logits[open_] = z
     closed = (~open_).nonzero(as_tuple=True)
     logits[(*closed, tokens[closed])] = 0.0
+    remember_open_rows(logits, open_, z)
     return logits
 
 
@@ -464,7 +465,7 @@ def selfcond_signal(logits: Tensor, temperature: float, embed: Tensor, tokens: T
     """
     whole = open_ is None or bool(open_.all())
     if temperature == 1.0:  # the plain softmax, which a greedy step's prediction computed already
-        probs = embed_probs(open_softmax(logits, open_), embed)
+        probs = embed_probs(open_softmax(logits, open_).probs, embed)
         if whole:
             return probs.view(*logits.shape[:-1], -1)
         out = embed[tokens]  # [B, C, d]

@@ -111,10 +111,10 @@ def predict(logits: Tensor, temperature: float, generator: torch.Generator,
         pred = state.tokens.clone()
         conf = torch.ones(open_.shape, dtype=torch.float32, device=logits.device)
         if bool(open_.any()):
-            conf[open_], pred[open_] = _fp32_softmax(logits, open_).max(dim=-1)
+            conf[open_], pred[open_] = _greedy(logits, open_)
         return pred, conf
     if temperature <= 0:
-        conf, pred = _fp32_softmax(logits, None).max(dim=-1)
+        conf, pred = _greedy(logits, None)
         return pred.view(logits.shape[:-1]), conf.view(logits.shape[:-1])
     logits = logits.float()
     probs = F.softmax(logits / temperature, dim=-1)
@@ -123,42 +123,80 @@ def predict(logits: Tensor, temperature: float, generator: torch.Generator,
     return pred, probs.gather(-1, pred.unsqueeze(-1)).squeeze(-1)
 
 
-def _fp32_softmax(logits: Tensor, open_: Tensor | None) -> Tensor:
-    """A prediction's fp32 softmax: shared with the self-conditioning signal except for fp64
-    logits, whose signal stays in fp64 (the exactness tests) while the prediction reads fp32."""
+def _greedy(logits: Tensor, open_: Tensor | None) -> tuple[Tensor, Tensor]:
+    """fp32 probability and index of each open row's argmax: from the shared :func:`open_softmax`,
+    except for fp64 logits, whose self-conditioning signal stays fp64 while a prediction reads fp32."""
     if logits.dtype != torch.float64:
-        return open_softmax(logits, open_)
-    rows = logits.reshape(-1, logits.shape[-1]) if open_ is None or bool(open_.all()) else logits[open_]
-    return F.softmax(rows.float(), dim=-1)
+        out = open_softmax(logits, open_)
+        return out.conf, out.pred
+    return F.softmax(_open_rows(logits, open_).float(), dim=-1).max(dim=-1)
 
 
-def open_softmax(logits: Tensor, open_: Tensor | None) -> Tensor:
-    """``softmax(logits[open_])`` in fp32 (fp64 for fp64 logits): ``[N_open, V]`` (every position,
-    ``[B * C, V]``, when ``open_`` is None or all True), remembered for the last ``logits [B, C, V]``.
+@dataclass(frozen=True)
+class OpenSoftmax:
+    """The plain softmax of a canvas's open rows (:func:`open_softmax`)."""
 
-    A greedy step's prediction and the self-conditioning signal of the next step read the same
-    plain softmax. At Gemma's 262,144 tokens, one softmax of 16 open positions reads 8 MB of bf16
-    logits and writes 16 MB of fp32, and a second identical one cost ~10 ms of a ~130 ms PubMedQA
-    pass (``docs/benchmarks.md``); the second reader now gets the first's tensor. The memo is keyed
-    on the logits object (weakly: it is dropped with them), their in-place version and the mask's
-    values, so a changed tensor or mask is recomputed.
+    conf: Tensor  # [N] fp32: the argmax's probability
+    pred: Tensor  # [N] the argmax
+    probs: Tensor  # [N, V]: in the logits' dtype where that is narrower than fp32 (the product reads it so)
+
+
+SOFTMAX_ROWS = 16  # rows an fp32 chunk: 16 MB at V = 262,144, below glibc's 32 MB mmap threshold
+
+
+def open_softmax(logits: Tensor, open_: Tensor | None) -> OpenSoftmax:
+    """``softmax(logits[open_])`` over ``N`` open positions (every position, ``N = B * C``, when
+    ``open_`` is None or all True), computed once for the last ``logits [B, C, V]`` asked about.
+
+    A greedy step's prediction (max and argmax) and the next step's self-conditioning signal
+    (``probs @ E``) read the same softmax: at Gemma's 262,144 tokens a second one cost ~10 ms of a
+    ~125 ms PubMedQA pass at batch 1 (``docs/benchmarks.md``). It is computed in fp32; for bf16
+    logits 16 rows at a time, each chunk's max taken and its probabilities stored in bf16 (what the
+    product reads), so no ``[N, V]`` fp32 tensor exists: at batch 16 that is ~280 MB, mapped fresh
+    and faulted in at every pass. Each row's values are those of one fp32 softmax of all rows. The
+    memo is keyed on the logits object (weakly: dropped with them), their in-place version and the
+    mask's values; :func:`remember_open_rows` hands it the rows the LM head produced, so they are
+    not gathered back out of ``logits``.
     """
     whole = open_ is None or bool(open_.all())
     key = (logits._version, None if whole else open_.clone())
-    if _OPEN_SOFTMAX and _OPEN_SOFTMAX[0]() is logits and _same_key(_OPEN_SOFTMAX[1], key):
-        return _OPEN_SOFTMAX[2]
-    rows = logits.reshape(-1, logits.shape[-1]) if whole else logits[open_]
-    probs = F.softmax(rows.to(torch.promote_types(rows.dtype, torch.float32)), dim=-1)
-    _OPEN_SOFTMAX[:] = [weakref.ref(logits, _forget), key, probs]
-    return probs
+    slot = _OPEN if _OPEN and _OPEN[0]() is logits and _same_key(_OPEN[1], key) else None
+    if slot is not None and slot[3] is not None:
+        return slot[3]
+    rows = slot[2] if slot is not None else _open_rows(logits, open_)
+    work = torch.promote_types(rows.dtype, torch.float32)
+    if work == rows.dtype:  # fp32 or fp64 logits: one softmax, kept as it is
+        probs = F.softmax(rows, dim=-1)
+        conf, pred = probs.max(dim=-1)
+    else:
+        probs = torch.empty_like(rows)
+        conf = torch.empty(rows.shape[0], dtype=work, device=rows.device)
+        pred = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
+        for i in range(0, rows.shape[0], SOFTMAX_ROWS):
+            chunk = F.softmax(rows[i:i + SOFTMAX_ROWS].to(work), dim=-1)
+            torch.max(chunk, dim=-1, out=(conf[i:i + SOFTMAX_ROWS], pred[i:i + SOFTMAX_ROWS]))
+            probs[i:i + SOFTMAX_ROWS] = chunk
+    out = OpenSoftmax(conf=conf, pred=pred, probs=probs)
+    _OPEN[:] = [weakref.ref(logits, _forget), key, None, out]
+    return out
 
 
-_OPEN_SOFTMAX: list = []  # [weakref to the logits, (version, open mask or None), probabilities]
+def remember_open_rows(logits: Tensor, open_: Tensor, rows: Tensor) -> None:
+    """Tell :func:`open_softmax` that ``rows [N, V]`` are ``logits[open_]`` (the sampler's LM head
+    output, before it wrote them into the canvas's ``logits``)."""
+    _OPEN[:] = [weakref.ref(logits, _forget), (logits._version, open_.clone()), rows, None]
+
+
+_OPEN: list = []  # [weakref to the logits, (version, open mask or None), their open rows or None, OpenSoftmax or None]
+
+
+def _open_rows(logits: Tensor, open_: Tensor | None) -> Tensor:
+    return logits.reshape(-1, logits.shape[-1]) if open_ is None or bool(open_.all()) else logits[open_]
 
 
 def _forget(ref: weakref.ref) -> None:
-    if _OPEN_SOFTMAX and _OPEN_SOFTMAX[0] is ref:  # the remembered logits died: free their probabilities
-        _OPEN_SOFTMAX.clear()
+    if _OPEN and _OPEN[0] is ref:  # the remembered logits died: free what was kept for them
+        _OPEN.clear()
 
 
 def _same_key(a: tuple, b: tuple) -> bool:

@@ -19,7 +19,7 @@ from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
 from dgemma.diffusion.objective import DiffusionObjective
 from dgemma.diffusion.sampler import CanvasSampler, selfcond_signal, vocab_logits
 from dgemma.diffusion.schedules import LinearSchedule
-from dgemma.diffusion.steps import CommitStep, open_softmax
+from dgemma.diffusion.steps import CommitStep, open_softmax, remember_open_rows
 from dgemma.errors import DGemmaError
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
@@ -133,15 +133,37 @@ def test_the_open_softmax_is_computed_once_per_logits_and_recomputed_when_they_c
     logits = torch.randn(2, C, V, generator=g, dtype=torch.float64)
     open_ = torch.tensor([[True, False, True, True], [False, True, True, False]])
     first = open_softmax(logits, open_)
-    assert open_softmax(logits, open_.clone()) is first  # equal mask values: the same tensor
-    torch.testing.assert_close(first, F.softmax(logits[open_], -1), rtol=0, atol=0)
+    assert open_softmax(logits, open_.clone()) is first  # equal mask values: the same result
+    want = F.softmax(logits[open_], -1)
+    torch.testing.assert_close(first.probs, want, rtol=0, atol=0)
+    assert torch.equal(first.conf, want.max(-1).values) and torch.equal(first.pred, want.argmax(-1))
     whole = open_softmax(logits, None)
-    assert whole.shape == (2 * C, V) and open_softmax(logits, torch.ones_like(open_)) is whole
-    torch.testing.assert_close(open_softmax(logits, open_), first, rtol=0, atol=0)  # recomputed, same values
+    assert whole.probs.shape == (2 * C, V) and open_softmax(logits, torch.ones_like(open_)) is whole
+    torch.testing.assert_close(open_softmax(logits, open_).probs, want, rtol=0, atol=0)  # recomputed
     logits[0, 0] += 1.0  # in place: the version moves on
-    torch.testing.assert_close(open_softmax(logits, open_), F.softmax(logits[open_], -1), rtol=0, atol=0)
+    torch.testing.assert_close(open_softmax(logits, open_).probs, F.softmax(logits[open_], -1), rtol=0, atol=0)
     other = logits.clone()
     assert open_softmax(other, open_) is not open_softmax(logits, open_)
+
+
+@pytest.mark.parametrize("n", [3, 16, 37])
+def test_the_bf16_open_softmax_in_chunks_equals_one_fp32_softmax(n):
+    """bf16 logits: fp32 a chunk of rows at a time, stored in bf16; the same bits as one fp32
+    softmax of every row cast to bf16, and the same fp32 max and argmax; rows handed over by
+    ``remember_open_rows`` are used as ``logits[open_]``."""
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(n, 2, 500, generator=g) * 4).to(torch.bfloat16)
+    open_ = torch.rand(n, 2, generator=g) < 0.7
+    open_[0, 0] = True
+    ref = F.softmax(logits[open_].float(), -1)
+    got = open_softmax(logits, open_)
+    assert got.probs.dtype == torch.bfloat16 and torch.equal(got.probs, ref.to(torch.bfloat16))
+    assert torch.equal(got.conf, ref.max(-1).values) and torch.equal(got.pred, ref.max(-1).indices)
+    fresh = logits.clone()
+    remember_open_rows(fresh, open_, logits[open_])
+    assert torch.equal(open_softmax(fresh, open_).probs, got.probs)
+    remember_open_rows(fresh, open_, torch.zeros_like(logits[open_]))  # taken as given, not gathered again
+    assert bool((open_softmax(fresh, open_).probs == torch.tensor(1 / 500).to(torch.bfloat16)).all())
 
 
 def test_small_self_conditioning_products_are_padded_on_amx_only(monkeypatch):

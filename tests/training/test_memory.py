@@ -39,3 +39,35 @@ def test_release_free_heap_returns_what_free_kept():
         libc.mallopt(-1, 128 << 10)  # glibc's defaults
         libc.mallopt(-3, 128 << 10)
 
+
+
+KEEP = """
+import sys, torch
+from dgemma.device import heap_policy, keep_freed_heap, resident_gib
+changed = keep_freed_heap() if sys.argv[1] == "keep" else False
+t = torch.ones(64 << 20)  # 256 MiB, far above glibc's default mmap threshold
+del t
+print(changed, heap_policy(), resident_gib())
+"""
+
+
+@glibc
+@pytest.mark.parametrize("mode", ["keep", "default", "user_env"])
+def test_keep_freed_heap_keeps_a_big_freed_tensor_mapped(mode):
+    """Decoding's heap policy (dgemma/device.py:keep_freed_heap), in a process of its own: a freed
+    256 MiB tensor stays resident (reused by the next pass without page faults) where the policy
+    is on; by default glibc unmaps it, and a user's own MALLOC_* setting wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **({"MALLOC_TOP_PAD_": str(1 << 20)} if mode == "user_env" else {}))
+    arg = "default" if mode == "default" else "keep"
+    out = subprocess.run([sys.executable, "-c", KEEP, arg], capture_output=True, text=True, env=env, check=True)
+    changed, policy, rss = out.stdout.split()
+    kept = mode == "keep"
+    assert (changed == "True") == kept and policy == ("kept" if kept else "default")
+    base = subprocess.run([sys.executable, "-c", "import torch; from dgemma.device import resident_gib; "
+                           "print(resident_gib())"], capture_output=True, text=True, env=env, check=True)
+    grown = float(rss) - float(base.stdout)
+    assert grown > 0.2 if kept else grown < 0.1
