@@ -160,7 +160,8 @@ def open_softmax(logits: Tensor, open_: Tensor | None) -> OpenSoftmax:
     """
     whole = open_ is None or bool(open_.all())
     key = (logits._version, None if whole else open_.clone())
-    slot = _OPEN if _OPEN and _OPEN[0]() is logits and _same_key(_OPEN[1], key) else None
+    seen = tuple(_OPEN)  # one snapshot: another thread (the playground's) may replace the memo meanwhile
+    slot = seen if seen and seen[0]() is logits and _same_key(seen[1], key) else None
     if slot is not None and slot[3] is not None:
         return slot[3]
     rows = slot[2] if slot is not None else _open_rows(logits, open_)
@@ -187,7 +188,7 @@ def remember_open_rows(logits: Tensor, open_: Tensor, rows: Tensor) -> None:
     _OPEN[:] = [weakref.ref(logits, _forget), (logits._version, open_.clone()), rows, None]
 
 
-_OPEN: list = []  # [weakref to the logits, (version, open mask or None), their open rows or None, OpenSoftmax or None]
+_OPEN: list = []  # [weakref to the logits, (version, open mask or None), their open rows | None, OpenSoftmax | None]
 
 
 def _open_rows(logits: Tensor, open_: Tensor | None) -> Tensor:
