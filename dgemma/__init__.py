@@ -18,6 +18,7 @@ _LAZY = {
     "load_model": "dgemma.sampling",
     "SamplerConfig": "dgemma.sampling",
     "build_sampler": "dgemma.sampling",
+    "keep_freed_heap": "dgemma.device",
 }
 
 
@@ -37,5 +38,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dgemma' has no attribute {name!r}")
 
 
-__all__ = ["DiffusionGemma", "KVCache", "ModelConfig", "SamplerConfig", "TokenInfo", "build_sampler", "load_model",
-           "load_pretrained", "__version__"]
+__all__ = ["DiffusionGemma", "KVCache", "ModelConfig", "SamplerConfig", "TokenInfo", "build_sampler",
+           "keep_freed_heap", "load_model", "load_pretrained", "__version__"]

@@ -42,9 +42,9 @@ def test_release_free_heap_returns_what_free_kept():
 
 
 KEEP = """
-import sys, torch
-from dgemma.device import heap_policy, keep_freed_heap, resident_gib
-changed = keep_freed_heap() if sys.argv[1] == "keep" else False
+import sys, torch, dgemma
+from dgemma.device import heap_policy, resident_gib
+changed = dgemma.keep_freed_heap() if sys.argv[1] == "keep" else False
 t = torch.ones(64 << 20)  # 256 MiB, far above glibc's default mmap threshold
 del t
 print(changed, heap_policy(), resident_gib())
