@@ -124,8 +124,8 @@ def keep_freed_heap() -> bool:
     faults in hundreds of MB of zeroed pages. With the threshold and the trim threshold at 1 GiB
     the pages stay mapped and are reused: on the 2-core AMX Xeon (bf16, the PubMedQA adapter, 16
     questions at batch 16, 16 steps) a pass took 42 ms a row instead of 54, for 3.3-3.4 GiB
-    resident instead of 1.7; batch 1 was unchanged (``docs/benchmarks.md``, 2026-12-05). Training keeps the
-    default (its activations vary in size every step: ``release_free_heap``). Called by the
+    resident instead of 1.7; batch 1 was unchanged (``docs/benchmarks.md``, 2026-12-05). Training
+    keeps the default (its activations vary in size every step: ``release_free_heap``). Called by the
     decoding commands (``dgemma/cli/main.py:DECODING_VERBS``, ``dgemma bench decode``); leaves the
     heap alone where the user set any of ``HEAP_ENV`` or the C library is not glibc. Returns
     whether it changed the policy.

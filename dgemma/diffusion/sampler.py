@@ -465,16 +465,13 @@ def selfcond_signal(logits: Tensor, temperature: float, embed: Tensor, tokens: T
     """
     whole = open_ is None or bool(open_.all())
     if temperature == 1.0:  # the plain softmax, which a greedy step's prediction computed already
-        probs = embed_probs(open_softmax(logits, open_).probs, embed)
-        if whole:
-            return probs.view(*logits.shape[:-1], -1)
-        out = embed[tokens]  # [B, C, d]
-        out[open_] = probs
-        return out
+        signal = embed_probs(open_softmax(logits, open_).probs, embed)  # [N_open, d]
+    else:
+        signal = probs_embedding((logits if whole else logits[open_]) / temperature, embed)
     if whole:
-        return probs_embedding(logits / temperature, embed)
+        return signal.view(*logits.shape[:-1], -1)
     out = embed[tokens]  # [B, C, d]
-    out[open_] = probs_embedding(logits[open_] / temperature, embed)
+    out[open_] = signal
     return out
 
 
