@@ -54,6 +54,7 @@ class SamplerConfig:
     top_p: float | None = None  # nucleus filtering of the step's distribution (1 = off)
     stop_alias_cos: float | None = None  # stop tokens absorb the tokens this close to their embedding
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit at every step ({} = none)
+    self_condition: bool | None = None  # feed the last prediction back (default True; False: a zero signal)
 
     def merged(self, defaults: "SamplerConfig") -> "SamplerConfig":
         """This config with every ``None`` field taken from ``defaults``."""
@@ -89,7 +90,7 @@ def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
                          commit_order=e.commit_order, commit_stable_first=e.commit_stable_first,
                          entropy_bound=e.entropy_bound, stability_threshold=e.stability_threshold,
                          stop_confidence_threshold=e.stop_confidence_threshold, stop_alias_cos=e.stop_alias_cos,
-                         logit_bias=resolve_logit_bias(e.logit_bias, tokenizer))
+                         logit_bias=resolve_logit_bias(e.logit_bias, tokenizer), self_condition=e.self_condition)
 
 
 def resolve_logit_bias(bias: dict[str, float] | None, tokenizer) -> dict[int, float]:
@@ -113,7 +114,7 @@ def resolve_logit_bias(bias: dict[str, float] | None, tokenizer) -> dict[int, fl
 RULE_DEFAULTS = SamplerConfig(entropy_threshold=0.05, min_stop_prob=0.0, confidence_threshold=0.9, entropy_bound=0.1,
                               commit_order="confidence", commit_stable_first=True,
                               stability_threshold=1, stop_confidence_threshold=0.005, top_p=1.0,
-                              entropy_t_max=0.8, entropy_t_min=0.4)
+                              entropy_t_max=0.8, entropy_t_min=0.4, self_condition=True)
 """The step and stopping rules' own defaults (those of their constructors)."""
 
 
@@ -157,7 +158,8 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
     return CanvasSampler(**parts, num_steps=cfg.num_steps, canvas_size=canvas_size,
                          max_canvases=cfg.max_canvases, stop=stop, stop_ids=stop_ids,
                          min_stop_prob=cfg.min_stop_prob, stop_alias_cos=cfg.stop_alias_cos,
-                         logit_bias=dict(cfg.logit_bias or {}), temperature=signal_temperature(cfg), **engine)
+                         logit_bias=dict(cfg.logit_bias or {}), temperature=signal_temperature(cfg),
+                         self_condition=cfg.self_condition, **engine)
 
 
 def signal_temperature(cfg: SamplerConfig) -> float:

@@ -100,6 +100,7 @@ class CanvasSampler:
     stop_alias_cos: float | None = None  # fold tokens this close to a stop token's embedding into it
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits at every step (add_logit_bias)
     reuse_logits: bool = True  # a step after one that changed no token reuses its logits (False: recompute)
+    self_condition: bool = True  # feed each step's prediction to the next (False: the zero signal of a first step)
     record: bool = False
     # Optional per-step callback, called after every denoising step with keyword arguments
     # canvas, step, t, rows (original row indices of the rows in this step), tokens, committed,
@@ -187,17 +188,27 @@ class CanvasSampler:
         # without time or self-conditioning a forward depends on the canvas alone: a step that
         # changed no token (a commit pace with nothing due, absorbing noise) is followed by the
         # same forward, so its logits are reused instead of recomputed
-        reuse = (self.reuse_logits and model.self_conditioning is None
-                 and getattr(model, "time_embedding", False) is None)
-        last = None  # (canvas, logits) of the last forward, while the running rows stay the same
+        conditioned = self.self_condition and model.self_conditioning is not None
+        reuse = self.reuse_logits and not conditioned and getattr(model, "time_embedding", False) is None
+        # nothing but the step reads the logits: the LM head runs where the step looks (Step.reads)
+        narrow = (not conditioned and not self.record and self.on_step is None and isinstance(self.stop, NoStop)
+                  and hasattr(self.step, "reads"))
+        last = None  # (canvas, rows read, logits) of the last forward, while the running rows stay the same
         for i in range(self.num_steps):
             t = grid[i].expand(running.numel()).to(dev)
+            is_last = i == self.num_steps - 1
             # committed positions can no longer change: the LM head runs on the open ones only
             open_ = ~state.committed if self.skip_committed and self.step.commits else None
+            if narrow and open_ is not None:
+                reads = self.step.reads(state, float(grid[i + 1]), float(grid[i + 2]) if i + 2 < self.num_steps
+                                        else None, is_last=is_last)
+                if reads is not None:
+                    state = replace(state, unread=open_ & ~reads)
+                    open_ = open_ & reads
             rows = d.active[running].tolist()
-            reused = last is not None and torch.equal(last[0], state.tokens)
+            reused = last is not None and torch.equal(last[0], state.tokens) and _same_mask(last[1], open_)
             if reused:
-                logits = last[1]
+                logits = last[2]
             else:
                 if self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
                     hidden = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
@@ -215,11 +226,10 @@ class CanvasSampler:
                 if before is not None:
                     hidden = shift_to_canvas(hidden, before[:, None], c)
                 logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid,
-                                      adjust=partial(self.adjust_logits, aliases=d.aliases))
+                                      adjust=partial(self.adjust_logits, aliases=d.aliases), keep_probs=conditioned)
                 for r in rows:
                     d.fwd[r] += 1
-            last = (state.tokens, logits) if reuse else None
-            is_last = i == self.num_steps - 1
+            last = (state.tokens, open_, logits) if reuse else None
             state = self.step(state, logits, float(grid[i]), float(grid[i + 1]), generator=generator,
                               is_last=is_last)
             if self.fill_after_stop and open_ is not None and self.stop_ids:
@@ -230,7 +240,7 @@ class CanvasSampler:
             settled = state.committed.all(-1)  # every position committed: nothing left to denoise
             done = done | settled
             # the next step's input, so none after a canvas's last (T <= 0 conditions on the plain softmax)
-            if model.self_conditioning is not None and not bool(done.all()):
+            if conditioned and not bool(done.all()):
                 selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, d.embed, state.tokens, open_)
             if self.on_step is not None:
                 self.on_step(canvas=k, step=i, t=float(grid[i]), rows=rows, tokens=state.tokens,
@@ -429,7 +439,7 @@ def fill_after_stop(state: CanvasState, stop_ids: tuple[int, ...]) -> CanvasStat
 
 
 def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *, forbid: int | None = None,
-                 adjust: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                 adjust: Callable[[Tensor], Tensor] | None = None, keep_probs: bool = True) -> Tensor:
     """``[B, C, V]`` logits of the canvas, the LM head run only where ``open_`` (None: everywhere).
 
     A committed position is certain: its row is its token's one-hot in logit form (0 there,
@@ -437,6 +447,7 @@ def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *,
     should, at no vocabulary cost. ``forbid`` (the absorbing mask token) is never predicted, and
     ``adjust`` (the sampler's stop aliases, logit bias and stop gate) runs on the rows the head
     ran on: none of them changes which token a one-hot row holds, nor its probability of 1.
+    ``keep_probs=False`` tells the shared softmax that no self-conditioning signal will read it.
     """
     whole = open_ is None or bool(open_.all())
     z = model.logits(hidden if whole else hidden[open_])  # [B, C, V] or [N_open, V]
@@ -450,7 +461,7 @@ def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *,
     logits[open_] = z
     closed = (~open_).nonzero(as_tuple=True)
     logits[(*closed, tokens[closed])] = 0.0
-    remember_open_rows(logits, open_, z)
+    remember_open_rows(logits, open_, z, keep_probs=keep_probs)
     return logits
 
 
@@ -464,8 +475,9 @@ def selfcond_signal(logits: Tensor, temperature: float, embed: Tensor, tokens: T
     computed (``dgemma/diffusion/steps.py:open_softmax``).
     """
     whole = open_ is None or bool(open_.all())
-    if temperature == 1.0:  # the plain softmax, which a greedy step's prediction computed already
-        signal = embed_probs(open_softmax(logits, open_).probs, embed)  # [N_open, d]
+    shared = open_softmax(logits, open_).probs if temperature == 1.0 else None
+    if shared is not None:  # the plain softmax, which a greedy step's prediction computed already
+        signal = embed_probs(shared, embed)  # [N_open, d]
     else:
         signal = probs_embedding((logits if whole else logits[open_]) / temperature, embed)
     if whole:
@@ -473,6 +485,10 @@ def selfcond_signal(logits: Tensor, temperature: float, embed: Tensor, tokens: T
     out = embed[tokens]  # [B, C, d]
     out[open_] = signal
     return out
+
+
+def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _pad_left(selfcond: Tensor | None, ctx_ids: Tensor) -> Tensor | None:

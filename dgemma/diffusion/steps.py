@@ -36,6 +36,10 @@ class CanvasState:
 
     ``pinned [B, C]`` marks known tokens given before sampling (infilling, e.g. Sudoku clues):
     they start committed, and the commit schedule paces only the free positions.
+
+    ``unread [B, C]`` marks open positions whose logits the sampler did not compute for this
+    step (:meth:`StepRule.reads`): their rows hold their own token's one-hot, a greedy prediction
+    takes them as closed, and no step commits them. A step's new state drops the mark.
     """
 
     tokens: Tensor
@@ -43,6 +47,7 @@ class CanvasState:
     prev_pred: Tensor | None = None
     prev_conf: Tensor | None = None
     pinned: Tensor | None = None
+    unread: Tensor | None = None
 
     @classmethod
     def from_noise(
@@ -56,13 +61,13 @@ class CanvasState:
         """The state of the rows ``rows`` (indices or a bool mask), to follow a shrinking batch."""
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
         return CanvasState(pick(self.tokens), pick(self.committed), pick(self.prev_pred), pick(self.prev_conf),
-                           pick(self.pinned))
+                           pick(self.pinned), pick(self.unread))
 
     def pin(self, hint: Tensor) -> CanvasState:
         """Fix the tokens of ``hint [B, C]`` where it is ``>= 0`` (``-1`` = free)."""
         pinned = hint >= 0
         return CanvasState(torch.where(pinned, hint, self.tokens), self.committed | pinned, self.prev_pred,
-                           self.prev_conf, pinned)
+                           self.prev_conf, pinned, self.unread)
 
 
 class Step(Protocol):
@@ -91,6 +96,13 @@ class StepRule:
     def sampling_temperature(self, t: float, default: float) -> float:
         return default
 
+    def reads(self, state: CanvasState, s: float, s_next: float | None, *, is_last: bool) -> Tensor | None:
+        """``[B, C]``: the positions whose logits this step (to time ``s``) and the next one (to
+        ``s_next``; None when the next is the last or there is none) read, or None for every open
+        position. A sampler that needs the logits for nothing else (no self-conditioning signal,
+        stopping rule or trace) runs the LM head on these only. The default reads everything."""
+        return None
+
     @classmethod
     def from_settings(cls, settings, noise) -> "StepRule":
         raise NotImplementedError
@@ -104,10 +116,12 @@ def predict(logits: Tensor, temperature: float, generator: torch.Generator,
     greedy prediction runs the vocabulary softmax on the open positions only: a committed
     position predicts its own token with probability 1, which is what the softmax of its row
     gives when the sampler wrote that row as a one-hot (``dgemma/diffusion/sampler.py:vocab_logits``),
-    and what a commit rule never reads otherwise (committed positions are final).
+    and what a commit rule never reads otherwise (committed positions are final). So does an
+    ``unread`` one, which no rule commits at this step.
     """
-    if temperature <= 0 and state is not None and bool(state.committed.any()):
-        open_ = ~state.committed
+    closed = None if state is None else state.committed if state.unread is None else state.committed | state.unread
+    if temperature <= 0 and closed is not None and bool(closed.any()):
+        open_ = ~closed
         pred = state.tokens.clone()
         conf = torch.ones(open_.shape, dtype=torch.float32, device=logits.device)
         if bool(open_.any()):
@@ -138,7 +152,8 @@ class OpenSoftmax:
 
     conf: Tensor  # [N] fp32: the argmax's probability
     pred: Tensor  # [N] the argmax
-    probs: Tensor  # [N, V]: in the logits' dtype where that is narrower than fp32 (the product reads it so)
+    probs: Tensor | None  # [N, V]: in the logits' dtype where that is narrower than fp32 (the product reads it
+    #                       so); None where the sampler said no signal reads them (remember_open_rows)
 
 
 SOFTMAX_ROWS = 16  # rows an fp32 chunk: 16 MB at V = 262,144, below glibc's 32 MB mmap threshold
@@ -165,30 +180,34 @@ def open_softmax(logits: Tensor, open_: Tensor | None) -> OpenSoftmax:
     if slot is not None and slot[3] is not None:
         return slot[3]
     rows = slot[2] if slot is not None else _open_rows(logits, open_)
+    keep = slot is None or slot[4]
     work = torch.promote_types(rows.dtype, torch.float32)
     if work == rows.dtype:  # fp32 or fp64 logits: one softmax, kept as it is
         probs = F.softmax(rows, dim=-1)
         conf, pred = probs.max(dim=-1)
     else:
-        probs = torch.empty_like(rows)
+        probs = torch.empty_like(rows) if keep else None
         conf = torch.empty(rows.shape[0], dtype=work, device=rows.device)
         pred = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
         for i in range(0, rows.shape[0], SOFTMAX_ROWS):
             chunk = F.softmax(rows[i:i + SOFTMAX_ROWS].to(work), dim=-1)
             torch.max(chunk, dim=-1, out=(conf[i:i + SOFTMAX_ROWS], pred[i:i + SOFTMAX_ROWS]))
-            probs[i:i + SOFTMAX_ROWS] = chunk
+            if keep:
+                probs[i:i + SOFTMAX_ROWS] = chunk
     out = OpenSoftmax(conf=conf, pred=pred, probs=probs)
-    _OPEN[:] = [weakref.ref(logits, _forget), key, None, out]
+    _OPEN[:] = [weakref.ref(logits, _forget), key, None, out, keep]
     return out
 
 
-def remember_open_rows(logits: Tensor, open_: Tensor, rows: Tensor) -> None:
+def remember_open_rows(logits: Tensor, open_: Tensor, rows: Tensor, *, keep_probs: bool = True) -> None:
     """Tell :func:`open_softmax` that ``rows [N, V]`` are ``logits[open_]`` (the sampler's LM head
-    output, before it wrote them into the canvas's ``logits``)."""
-    _OPEN[:] = [weakref.ref(logits, _forget), (logits._version, open_.clone()), rows, None]
+    output, before it wrote them into the canvas's ``logits``). ``keep_probs=False``: nothing
+    will ask for the probabilities (no self-conditioning signal), so narrow ones are not kept."""
+    _OPEN[:] = [weakref.ref(logits, _forget), (logits._version, open_.clone()), rows, None, keep_probs]
 
 
-_OPEN: list = []  # [weakref to the logits, (version, open mask or None), their open rows | None, OpenSoftmax | None]
+_OPEN: list = []  # [weakref to the logits, (version, open mask or None), open rows | None, OpenSoftmax | None,
+#                   whether to keep the probabilities]
 
 
 def _open_rows(logits: Tensor, open_: Tensor | None) -> Tensor:
@@ -356,12 +375,7 @@ class CommitStep(StepRule):
         open_ = ~state.committed
         if is_last:
             return _renoise(state, self.noise, pred, conf, open_, generator)
-        width = state.tokens.shape[-1]
-        alpha_s = float(self.schedule.alpha(torch.tensor(float(s), dtype=torch.float64)))
-        pinned = torch.zeros_like(state.committed) if state.pinned is None else state.pinned
-        n_pin = pinned.sum(-1)
-        target = n_pin + torch.ceil(alpha_s * (width - n_pin) - 1e-6).long()  # pace the free positions only
-        n_new = (target - state.committed.sum(-1)).clamp_min(0)
+        n_new = (self._target(state, s) - state.committed.sum(-1)).clamp_min(0)
         score = (conf if self.order == "confidence" else _margin(logits, pred)).double()
         if self.stable_first and state.prev_pred is not None and state.prev_conf is not None:
             stable = (pred == state.prev_pred) & (conf >= state.prev_conf)
@@ -371,6 +385,30 @@ class CommitStep(StepRule):
             score = score.masked_fill(~_leftmost_blocks(open_, n_new, self.block), -math.inf)
         new = _top_k_per_row(score, n_new) & open_
         return _renoise(state, self.noise, pred, conf, new, generator)
+
+
+    def _target(self, state: CanvasState, s: float) -> Tensor:
+        """``[B]`` committed positions due at time ``s``: the pinned ones and ``ceil(alpha(s))`` of the free."""
+        width = state.tokens.shape[-1]
+        alpha_s = float(self.schedule.alpha(torch.tensor(float(s), dtype=torch.float64)))
+        n_pin = torch.zeros_like(state.committed[:, 0], dtype=torch.long) if state.pinned is None \
+            else state.pinned.sum(-1)
+        return n_pin + torch.ceil(alpha_s * (width - n_pin) - 1e-6).long()  # pace the free positions only
+
+    def reads(self, state: CanvasState, s: float, s_next: float | None, *, is_last: bool) -> Tensor | None:
+        """With blocks, the leftmost blocks holding this step's commits and, when the next step
+        ranks by "unchanged and not weaker", the next step's too (it compares with this step's
+        prediction). This step commits its ``n`` in its blocks, so the next one's candidates lie in
+        the leftmost blocks holding ``n + n_next`` open positions; an EOS fill after a stop token
+        this step commits only closes positions after it. Example, ``C = 8, B = 4``, nothing
+        committed, 2 due now and 2 next: positions 0-3."""
+        if is_last or not self.block:
+            return None
+        committed = state.committed.sum(-1)
+        n_now = (self._target(state, s) - committed).clamp_min(0)
+        n_next = 0 if s_next is None or not self.stable_first else \
+            (self._target(state, s_next) - committed - n_now).clamp_min(0)
+        return _leftmost_blocks(~state.committed, n_now + n_next, self.block)
 
 
 def _margin(logits: Tensor, pred: Tensor) -> Tensor:
@@ -428,12 +466,22 @@ class ConfidenceStep(StepRule):
         if is_last:
             return _renoise(state, self.noise, pred, conf, open_, generator)
         if self.block:  # the leftmost block holding an open position
-            open_ = open_ & _leftmost_blocks(open_, torch.ones_like(open_[:, 0], dtype=torch.long), self.block)
+            open_ = open_ & self._first_open_block(state)
         above = open_ & (conf > self.threshold)
         best = F.one_hot(conf.masked_fill(~open_, -math.inf).argmax(-1), conf.shape[-1]).bool()
         need = open_.any(-1) & ~above.any(-1)
         new = above | (best & need.unsqueeze(-1))
         return _renoise(state, self.noise, pred, conf, new, generator)
+
+
+    def _first_open_block(self, state: CanvasState) -> Tensor:
+        open_ = ~state.committed
+        return _leftmost_blocks(open_, torch.ones_like(open_[:, 0], dtype=torch.long), self.block)
+
+    def reads(self, state: CanvasState, s: float, s_next: float | None, *, is_last: bool) -> Tensor | None:
+        """With blocks, the leftmost block holding an open position (what this step looks at; it
+        keeps nothing for the next)."""
+        return None if is_last or not self.block else self._first_open_block(state)
 
 
 class EntropyBoundStep(StepRule):

@@ -128,7 +128,8 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
         "canvas_size": sampler.canvas_size, "max_canvases": sampler.max_canvases, "stop_ids": list(sampler.stop_ids),
         "noise": cfg.diffusion.process, "schedule": cfg.diffusion.schedule, "pin_clues": cfg.data.pin_clues,
         "min_stop_prob": sampler.min_stop_prob, "stop_alias_cos": sampler.stop_alias_cos,
-        "logit_bias": cfg.eval_ds.logit_bias, "weights": run.weights, "lora": run.lora,
+        "logit_bias": cfg.eval_ds.logit_bias, "self_condition": sampler.self_condition, "weights": run.weights,
+        "lora": run.lora,
     }
     return sampler, settings
 

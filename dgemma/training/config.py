@@ -208,6 +208,7 @@ class EvalConfig:
     stop_confidence_threshold: float = 0.005  # stable_confident stopping: mean entropy below this (nats)
     stop_alias_cos: float | None = None  # fold tokens whose embedding has this cosine with a stop token's into it
     logit_bias: dict[str, float] | None = None  # {token text: bias} added to those logits at every step (both decoders)
+    self_condition: bool = True  # diffusion decoder: feed each step's prediction to the next (False: a zero signal)
     num_examples: int = 256
     split: str | None = None  # the evaluators' split (None: the task's default, e.g. test)
     seed: int = 0

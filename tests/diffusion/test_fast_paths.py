@@ -244,15 +244,15 @@ def test_commit_sampler_with_vocabulary_skipping_equals_its_definition(monkeypat
     calls = []
     real = sampler_mod.vocab_logits
 
-    def counting(model_, hidden, tokens, open_, *, forbid=None, adjust=None):
+    def counting(model_, hidden, tokens, open_, *, forbid=None, adjust=None, **kw):
         calls.append(None if open_ is None else int(open_.sum()))
-        return real(model_, hidden, tokens, open_, forbid=forbid, adjust=adjust)
+        return real(model_, hidden, tokens, open_, forbid=forbid, adjust=adjust, **kw)
 
     monkeypatch.setattr(sampler_mod, "vocab_logits", counting)
     fast = sample()
     assert any(n is not None and n < 2 * C for n in calls)  # some step really skipped rows
 
-    def definition(model_, hidden, tokens, open_, *, forbid=None, adjust=None):
+    def definition(model_, hidden, tokens, open_, *, forbid=None, adjust=None, **kw):
         full = model_.logits(hidden)
         if open_ is not None:
             closed = ~open_
@@ -266,6 +266,100 @@ def test_commit_sampler_with_vocabulary_skipping_equals_its_definition(monkeypat
     slow = sample()
     assert fast.tokens == slow.tokens and fast.steps_used == slow.steps_used
     assert [[s["argmax"] for s in t] for t in fast.trajectories] == [[s["argmax"] for s in t] for t in slow.trajectories]
+
+
+def test_without_self_conditioning_the_signal_is_zero():
+    """``self_condition=False`` decodes as if the model had no self-conditioning block (its zero
+    signal is an exact no-op for the zero-init variant); with it on, the signal changes tokens."""
+    import copy
+
+    from tests.diffusion.test_objective import wake_conditioning
+
+    model = wake_conditioning(tiny(self_conditioning=True))
+    bare = copy.deepcopy(model)
+    bare.self_conditioning = None
+    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
+    prompt = torch.randint(2, V, (4, 5), generator=torch.Generator().manual_seed(2))
+    valid = torch.ones(4, 5, dtype=torch.bool)
+
+    def run(m, on):
+        s = CanvasSampler(noise=noise, step=CommitStep(noise, temperature=0.0, block=4), num_steps=4,
+                          canvas_size=12, max_canvases=2, self_condition=on)
+        return s(m, prompt, valid, generator=torch.Generator().manual_seed(0)).tokens
+
+    off = run(model, False)
+    assert off == run(bare, True)
+    assert off != run(model, True)
+
+
+class _ReadsAll(CommitStep):
+    def reads(self, state, s, s_next, *, is_last):
+        return None
+
+
+@pytest.mark.parametrize("steps", [4, 6])  # 3 or 2 commits a step in blocks of 4
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("rule", ["commit", "commit_no_stable", "commit_margin", "confidence"])
+def test_lm_head_where_the_step_reads_equals_everywhere(monkeypatch, rule, temperature, steps):
+    """Without self-conditioning, the LM head runs on the positions the step reads (Step.reads)
+    only; the tokens and passes equal those of a sampler that runs it on every open position (fp64;
+    commits in blocks, the stable-first key reading the last step's prediction, EOS fill, pins)."""
+    import dgemma.diffusion.sampler as sampler_mod
+    from dgemma.diffusion.steps import ConfidenceStep
+
+    model = tiny(self_conditioning=True)
+    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
+    width = 12
+    prompt = torch.randint(2, V, (8, 5), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(8, 5, dtype=torch.bool)
+    hints = torch.full((8, 2 * width), -1)
+    hints[1, 5] = 9  # a pinned token in the middle of row 1's first canvas
+    hints[2, 8] = 7  # a pinned stop token: EOS fill after it
+
+    def step(narrow: bool):
+        if rule == "confidence":
+            s = ConfidenceStep(noise, threshold=0.2, temperature=temperature, block=4)
+            if not narrow:
+                s.reads = lambda *a, **k: None
+            return s
+        kw = {"stable_first": rule != "commit_no_stable", "order": "margin" if rule == "commit_margin" else "confidence"}
+        return (CommitStep if narrow else _ReadsAll)(noise, temperature=temperature, block=4, **kw)
+
+    calls = []
+    real = sampler_mod.vocab_logits
+
+    def counting(model_, hidden, tokens, open_, **kw):
+        calls.append((hidden.shape[0] * hidden.shape[1], None if open_ is None else int(open_.sum())))
+        return real(model_, hidden, tokens, open_, **kw)
+
+    monkeypatch.setattr(sampler_mod, "vocab_logits", counting)
+    out = {}
+    for narrow in (True, False):
+        calls.clear()
+        s = CanvasSampler(noise=noise, step=step(narrow), num_steps=steps, canvas_size=width, max_canvases=2,
+                          stop_ids=(7,), self_condition=False)
+        out[narrow] = (s(model, prompt, valid, generator=torch.Generator().manual_seed(0), hints=hints), list(calls))
+    fast, slow = out[True][0], out[False][0]
+    assert fast.tokens == slow.tokens and fast.forward_passes == slow.forward_passes
+    assert fast.steps_used == slow.steps_used
+    assert sum(n for _, n in out[True][1]) < sum(n for _, n in out[False][1])  # fewer rows through the head
+    assert 7 in fast.tokens[2] and len(fast.tokens[2]) <= 9  # cut at the pinned stop token
+
+
+def test_commit_reads_literal_example():
+    """The docstring's example: ``C = 8, B = 4``, nothing committed, 2 due now and 2 next -> 0-3;
+    without the stable-first key only this step's blocks; the last step reads everything."""
+    from dgemma.diffusion.steps import CanvasState
+
+    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
+    state = CanvasState(tokens=torch.ones(1, 8, dtype=torch.long), committed=torch.zeros(1, 8, dtype=torch.bool))
+    step = CommitStep(noise, block=4)
+    assert step.reads(state, 0.75, 0.5, is_last=False).tolist() == [[True] * 4 + [False] * 4]
+    assert step.reads(state, 0.75, 0.25, is_last=False).tolist() == [[True] * 8]  # 2 + 4 due: both blocks
+    assert step.reads(state, 0.75, 0.5, is_last=True) is None
+    assert CommitStep(noise).reads(state, 0.75, 0.5, is_last=False) is None  # no blocks: everything
+    assert CommitStep(noise, block=2, stable_first=False).reads(state, 0.75, 0.5, is_last=False).tolist() == \
+        [[True] * 2 + [False] * 6]
 
 
 def test_commit_sampler_stops_once_every_position_is_committed():

@@ -24,6 +24,7 @@ TOP_KEYS = {"eval_name", "task", "split", "source", "checkpoint_step", "num_exam
 SETTINGS_KEYS = {"seed", "num_steps", "step_type", "step_args", "temperature", "early_stopping", "stopping",
                  "canvas_size", "max_canvases", "stop_ids", "noise", "schedule", "batch_size", "num_batches",
                  "prompt_len", "device", "dtype", "threads", "pin_clues", "min_stop_prob", "stop_alias_cos", "logit_bias",
+                 "self_condition",
                  "weights", "lora", "compiled"}
 STATS_KEYS = {"examples", "tokens", "forward_passes", "tokens_per_forward", "tokens_per_second", "seconds",
               "canvases", "mean_steps_per_canvas", "early_stopped_canvases", "truncated_prompts", "ar_examples",
@@ -304,6 +305,10 @@ def test_rule_settings_reach_step_and_stopping_rule(workdir, tmp_path):
     _, alone = harness.build_sampler(load(workdir, "--cfg.eval_ds.commit_stable_first=false"), task, num_steps=2,
                                      step_type="commit", temperature=0.0, early_stopping=None)
     assert alone["step_args"]["stable_first"] is False
+    assert margin["self_condition"] is True
+    plain, settings = harness.build_sampler(load(workdir, "--cfg.eval_ds.self_condition=false"), task, num_steps=2,
+                                            step_type="commit", temperature=0.0, early_stopping=None)
+    assert settings["self_condition"] is False and plain.self_condition is False
 
 
 def test_pinned_clues_reach_the_sampler(workdir):
