@@ -600,17 +600,19 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         "dtype": str(next(diff.model.parameters()).dtype), "steps": list(sz["pubmedqa_steps"]),
         "lora": diff.lora, "ar_lora": ar.lora,  # merged into the weights (load_run's default) or peft-wrapped
         "sampler": f"the run's own ({e.step_type}, blocks of {e.commit_block}, temperature {e.temperature}, "
-                   f"no early stop: the shipped evaluations' setting)",
+                   f"self-conditioning {'on' if e.self_condition else 'off'}, no early stop: the shipped "
+                   f"evaluations' setting); a self-conditioned run's rows again without the signal ('no signal')",
         "ar": f"greedy, our cache, at most {ar_tokens} tokens, the task's stop tokens",
     }
     rows: list[dict] = []
     ar_rows: dict[int, dict] = {}
 
-    def add(name: str, kind: str, run, gen, batch: int, steps: int | None) -> None:
+    def add(name: str, kind: str, run, gen, batch: int, steps: int | None, signal: bool | None = None) -> None:
         st = gen.stats(steps or 0)
         _, metrics = gen.scored(task, run.tokenizer)
         row = {"name": name, "model": "pubmedqa", "kind": kind, "batch": batch, "steps": steps,
-               "n_questions": len(gen.records), "tokens": st["tokens"], "forward_passes": st["forward_passes"],
+               "self_condition": signal, "n_questions": len(gen.records), "tokens": st["tokens"],
+               "forward_passes": st["forward_passes"],
                "tokens_per_forward": st["tokens_per_forward"], "seconds": st["seconds"],
                "tokens_per_s": st["tokens_per_second"], "mean_steps_per_canvas": st["mean_steps_per_canvas"],
                **{k: metrics[k] for k in ("accuracy", "macro_f1", "bleu", "unparsed")}}
@@ -626,34 +628,39 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         add(f"pubmedqa ar b{b}", "ar", ar, harness.generate_ar(ar, task, recs, batch_size=b, max_new_tokens=ar_tokens),
             b, None)
 
-    def diffusion_row(b: int, recs: list[dict], steps: int) -> None:
+    def diffusion_row(b: int, recs: list[dict], steps: int, signal: bool) -> None:
+        name = f"pubmedqa diffusion S={steps} b{b}" + ("" if signal == e.self_condition else " no signal")
         base = ar_rows.get(b)  # a diffusion pass over the same questions costs about 4 AR passes at 32 steps
         est = 4.0 * base["seconds"] * steps / 32 if base else 0.0
         if not budget.allows(est):
-            result["skipped"].append(f"pubmedqa diffusion S={steps} b{b} (time budget: needs ~{est:.0f} s, "
-                                     f"{max(budget.left(), 0):.0f} s left)")
+            result["skipped"].append(f"{name} (time budget: needs ~{est:.0f} s, {max(budget.left(), 0):.0f} s left)")
             return
         sampler, _ = harness.build_sampler(diff, task, num_steps=steps, step_type=e.step_type,
                                            temperature=e.temperature, early_stopping=None)
         warm, _ = harness.build_sampler(diff, task, num_steps=2, step_type=e.step_type, temperature=e.temperature,
                                         early_stopping=None)
+        sampler.self_condition = warm.self_condition = signal
         if canvases:
             sampler.max_canvases = warm.max_canvases = canvases
         harness.generate(diff, warm, recs[:b], batch_size=b, seed=e.seed)
-        ctx.say(f"decode pubmedqa: diffusion S={steps} b{b}")
-        add(f"pubmedqa diffusion S={steps} b{b}", "diffusion", diff,
-            harness.generate(diff, sampler, recs, batch_size=b, seed=e.seed), b, steps)
+        ctx.say(f"decode {name}")
+        add(name, "diffusion", diff, harness.generate(diff, sampler, recs, batch_size=b, seed=e.seed), b, steps,
+            signal)
 
+    signals = (True, False) if e.self_condition and diff.model.self_conditioning is not None else (False,)
     for i, steps in enumerate(sz["pubmedqa_steps"]):  # the headline first: batch 1 at the most steps
         for b, recs in batches:
             if i == 0:
                 ar_row(b, recs)
-            diffusion_row(b, recs, steps)
+            for signal in signals:
+                diffusion_row(b, recs, steps, signal)
     for b in sorted(ar_rows):
         for r in rows:
             if r["kind"] == "diffusion" and r["batch"] == b and r.get("vs_ar") is not None:
-                add_ratio(result, f"pubmedqa diffusion S={r['steps']} vs AR fine-tune b{b} (acc {r['accuracy']:.3f} "
-                                  f"vs {ar_rows[b]['accuracy']:.3f}, BLEU {r['bleu']:.2f} vs {ar_rows[b]['bleu']:.2f})",
+                signal = "" if r["self_condition"] or len(signals) == 1 else " without the signal"
+                add_ratio(result, f"pubmedqa diffusion S={r['steps']}{signal} vs AR fine-tune b{b} "
+                                  f"(acc {r['accuracy']:.3f} vs {ar_rows[b]['accuracy']:.3f}, "
+                                  f"BLEU {r['bleu']:.2f} vs {ar_rows[b]['bleu']:.2f})",
                           r["vs_ar"], baseline="the AR fine-tune, greedy (ours)", what="tokens/s; quality in the name")
     return rows
 

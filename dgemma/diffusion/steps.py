@@ -71,7 +71,8 @@ class CanvasState:
 
 
 class Step(Protocol):
-    """What the sampler asks of a step: the call, and three facts about it."""
+    """What the sampler asks of a step: the call, and three facts about it. A step may also say
+    which positions it reads (:meth:`StepRule.reads`); one that does not is read everywhere."""
 
     commits: bool  # committed positions are final: the sampler skips their vocabulary work
     needs_uniform: bool  # the rule reads the uniform-noise posterior (refused with absorbing noise)

@@ -30,6 +30,12 @@ def test_run_prompts_jsonl_and_seed(tiny_run, tmp_path):
     again = tmp_path / "again.jsonl"
     cli("--checkpoint", str(tiny_run), "--file", str(prompts), "--out", str(again), "--steps", "4", "--seed", "3")
     assert [json.loads(x)["output"] for x in again.read_text().splitlines()] == [x["output"] for x in rows]
+    assert all(x["settings"]["self_condition"] is True for x in rows)  # the run's default
+    plain = tmp_path / "plain.jsonl"
+    r = cli("--checkpoint", str(tiny_run), "--file", str(prompts), "--out", str(plain), "--steps", "4",
+            "--no-self-condition")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert all(json.loads(x)["settings"]["self_condition"] is False for x in plain.read_text().splitlines())
 
 
 def test_unadapted_base_warns(tiny_text_model):

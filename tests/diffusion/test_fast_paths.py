@@ -268,6 +268,33 @@ def test_commit_sampler_with_vocabulary_skipping_equals_its_definition(monkeypat
     assert [[s["argmax"] for s in t] for t in fast.trajectories] == [[s["argmax"] for s in t] for t in slow.trajectories]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_equal_fresh_ones_at_every_pass(dtype):
+    """CanvasLogits rewrites only the rows that change; at every pass of a random sequence (rows
+    opening, closing, re-noised, the batch shrinking, a whole pass) it equals the tensor built
+    afresh: LM-head rows where open, the token's one-hot elsewhere."""
+    from dgemma.diffusion.sampler import CanvasLogits
+
+    g = torch.Generator().manual_seed(0)
+    kept, b = CanvasLogits(), 3
+    tokens = torch.randint(0, V, (b, C), generator=g)
+    for i in range(12):
+        if i == 6:  # a row finishes: the batch shrinks
+            keep = torch.tensor([True, False, True])
+            kept.select(keep)
+            tokens, b = tokens[keep], 2
+        open_ = torch.ones(b, C, dtype=torch.bool) if i == 3 else torch.rand(b, C, generator=g) < 0.5
+        redraw = torch.rand(b, C, generator=g) < 0.3
+        tokens = torch.where(redraw, torch.randint(0, V, (b, C), generator=g), tokens)
+        z = torch.randn(int(open_.sum()), V, generator=g).to(dtype)
+        got = kept.adopt(z.view(b, C, V)) if bool(open_.all()) else kept.write(z, tokens, open_)
+        fresh = torch.full((b, C, V), torch.finfo(dtype).min, dtype=dtype)
+        fresh[open_] = z
+        closed = (~open_).nonzero(as_tuple=True)
+        fresh[(*closed, tokens[closed])] = 0.0
+        assert torch.equal(got, fresh), i
+
+
 def test_without_self_conditioning_the_signal_is_zero():
     """``self_condition=False`` decodes as if the model had no self-conditioning block (its zero
     signal is an exact no-op for the zero-init variant); with it on, the signal changes tokens."""
