@@ -43,7 +43,7 @@ from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import DEFAULT_VARIANTS, round_steps, solve_verified
 from dgemma.eval.visualize import Frame, sudoku_cells, token_piece
 from dgemma.models.pretrained import load_pretrained
-from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases, resolve_logit_bias
+from dgemma.sampling import SamplerConfig, build_rules, build_sampler, eval_settings, max_canvases
 from dgemma.tasks import get_task, response_stop_ids
 from dgemma.tasks.sudoku import extract_digits
 from dgemma.training.config import load_config
@@ -163,7 +163,8 @@ def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
     e = cfg.eval_ds
     defaults = {"step_type": e.step_type if e.step_type in STEPS else "commit",
                 "num_steps": min(e.steps[0], limits.max_steps),
-                "temperature": e.temperature, "early_stopping": e.early_stopping or "none", "threshold": 0.9}
+                "temperature": e.temperature, "early_stopping": e.early_stopping or "none",
+                "threshold": e.confidence_threshold}
     max_pos = cfg.model.max_position_embeddings
     return ModelInfo(str(workdir), "run", cfg.diffusion.process, cfg.diffusion.canvas_size,
                      min(max_canvases(cfg), limits.max_canvases), cfg.data.prompt_len, max_pos, defaults,
@@ -572,7 +573,8 @@ class Plan:
 
 def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: Limits,
               max_canvases: int | None = None) -> Plan:
-    """Validate the settings against the model and the limits; DGemmaError says what is wrong."""
+    """Validate the settings against the model and the limits; DGemmaError says what is wrong. A
+    run's other decoding settings are its evaluations' (``eval_ds``, via ``eval_settings``)."""
     info, d = engine.info, engine.info.defaults
     step_type = req.step_type or d["step_type"]
     if step_type not in info.step_types:
@@ -599,17 +601,21 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
                           f"the model's {info.max_positions} positions; ask for fewer canvases")
     threshold = (d.get("threshold", 0.9) if req.threshold is None else req.threshold) \
         if step_type == "confidence" else None
-    sampler = SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature, early_stopping=rule,
-                            entropy_threshold=info.entropy_threshold, max_canvases=n_canvas,
-                            confidence_threshold=threshold,
-                            stop_alias_cos=info.cfg.eval_ds.stop_alias_cos if info.cfg is not None else None,
-                            logit_bias=resolve_logit_bias(info.cfg.eval_ds.logit_bias, engine.tokenizer)
-                            if info.cfg is not None else {})
+    if info.cfg is not None:  # a run decodes as its evaluations do (eval_ds: commit blocks, order, signal ...)
+        sampler = replace(eval_settings(info.cfg, num_steps=num_steps, step_type=step_type, temperature=temperature,
+                                        early_stopping=rule, tokenizer=engine.tokenizer),
+                          entropy_threshold=info.entropy_threshold, max_canvases=n_canvas,
+                          confidence_threshold=threshold)
+    else:
+        sampler = SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature,
+                                early_stopping=rule, entropy_threshold=info.entropy_threshold, max_canvases=n_canvas,
+                                confidence_threshold=threshold, logit_bias={})
     build_rules(sampler, engine.noise)  # bad settings fail here, before a job starts
     seed = random.randrange(2**31) if req.seed is None else req.seed
     settings = {"step_type": step_type, "num_steps": num_steps, "temperature": temperature, "early_stopping": rule,
                 "threshold": threshold, "max_canvases": n_canvas, "canvas_size": info.canvas_size,
                 "seed": seed, "delay_ms": req.delay_ms, "prompt_tokens": len(prompt_ids),
+                "commit_block": sampler.commit_block, "self_condition": sampler.resolved().self_condition,
                 "logit_bias": info.cfg.eval_ds.logit_bias if info.cfg is not None else None}
     return Plan(settings, prompt_ids, sampler, n_canvas, seed, req.delay_ms / 1000)
 

@@ -81,6 +81,34 @@ def test_on_step_hook_reports_every_step_and_changes_nothing(tiny_run):
     assert calls[-1]["done"].all() and not calls[0]["done"].any()
 
 
+def test_a_run_decodes_with_its_own_eval_settings(tiny_run, tmp_path):
+    """The playground and the OpenAI API decode a run as its evaluations do: the request's settings
+    on top of the run's ``eval_ds`` (commit blocks, ranking, the self-conditioning switch, the
+    confidence threshold), not on top of the rules' bare defaults."""
+    import shutil
+
+    from dgemma.serve.engine import Engine, SampleParams, _run_info, make_plan, plan_sampler
+    from dgemma.training.config import load_config
+    from dgemma.training.runs import load_run
+
+    work = tmp_path / "run"
+    shutil.copytree(tiny_run, work)
+    raw = json.loads((work / "config.json").read_text())
+    raw["eval_ds"].update(commit_block=3, commit_stable_first=False, self_condition=False, confidence_threshold=0.8)
+    (work / "config.json").write_text(json.dumps(raw))
+    cfg, limits = load_config(str(work / "config.json")), Limits()
+    run = load_run(work, device="cpu")
+    engine = Engine(_run_info(work, cfg, limits), run.model, run.tokenizer, run.noise())
+    plan = make_plan(engine, SampleParams(step_type="commit", num_steps=3), [2, 5, 6], limits)
+    sampler = plan_sampler(engine, plan, on_step=None)
+    assert (sampler.step.block, sampler.step.stable_first, sampler.self_condition) == (3, False, False)
+    assert plan.settings["commit_block"] == 3 and plan.settings["self_condition"] is False
+    plan = make_plan(engine, SampleParams(step_type="confidence", num_steps=3), [2, 5, 6], limits)
+    assert plan_sampler(engine, plan, on_step=None).step.threshold == 0.8  # the run's, not 0.9
+    plan = make_plan(engine, SampleParams(step_type="confidence", threshold=0.5), [2, 5, 6], limits)
+    assert plan_sampler(engine, plan, on_step=None).step.threshold == 0.5  # the request's wins
+
+
 def test_on_step_hook_exception_aborts_sampling(tiny_run):
     from dgemma.diffusion.sampler import CanvasSampler
     from dgemma.diffusion.steps import build_step
