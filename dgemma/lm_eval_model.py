@@ -72,7 +72,8 @@ from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.pretrained import load_pretrained
 from dgemma.models.selfcond import expected_embedding
-from dgemma.sampling import SamplerConfig, build_rules, build_sampler, max_canvases, resolve_logit_bias
+from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, max_canvases,
+                             resolve_logit_bias)
 from dgemma.tasks.sudoku import puzzle_hint
 from dgemma.training.runs import load_run
 from dgemma.training.trainer import derive_seed
@@ -227,10 +228,17 @@ class DGemmaLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
     def _settings_for(self, temperature: float, top_p: float, canvases: int):
-        return SamplerConfig(num_steps=self.steps, step_type=self.step_type, temperature=temperature,
-                             early_stopping=self.early_stopping or "none", entropy_threshold=self.entropy_threshold,
-                             max_canvases=canvases, top_p=top_p, logit_bias=self.logit_bias,
-                             confidence_threshold=None if self.threshold is None else float(self.threshold))
+        """The sampler settings of one request: a run's own (``eval_ds``: commit blocks and ranking,
+        stop aliases and gate, the self-conditioning switch ...) under the model args and the request."""
+        ask = SamplerConfig(num_steps=self.steps, step_type=self.step_type, temperature=temperature,
+                            early_stopping=self.early_stopping or "none", entropy_threshold=self.entropy_threshold,
+                            max_canvases=canvases, top_p=top_p, logit_bias=self.logit_bias,
+                            confidence_threshold=None if self.threshold is None else float(self.threshold))
+        if self.cfg is None:
+            return ask
+        return ask.merged(eval_settings(self.cfg, num_steps=self.steps, step_type=self.step_type,
+                                        temperature=temperature, early_stopping=self.early_stopping,
+                                        tokenizer=self.tok))
 
     def _settings(self, gen_kwargs: dict) -> tuple[tuple[str, ...], int, float, float]:
         """``(until, max_gen_toks, temperature, top_p)`` of one request's generation kwargs."""
