@@ -256,7 +256,9 @@ class CanvasSampler:
             if done.any():
                 # rows that completed the schedule emit their final state; early-stopped rows
                 # emit the argmax canvas of their last prediction
-                final = state.tokens if is_last else torch.where(settled[:, None], state.tokens, logits.argmax(-1))
+                final = state.tokens  # (an argmax over [A, C, V] only where a row did stop early)
+                if not is_last and not bool(settled[done].all()):
+                    final = torch.where(settled[:, None], state.tokens, logits.argmax(-1))
                 canvas[running[done]] = final[done]
                 for r in d.active[running[done]].tolist():
                     d.steps_used[r].append(i + 1)
