@@ -387,7 +387,6 @@ class CommitStep(StepRule):
         new = _top_k_per_row(score, n_new) & open_
         return _renoise(state, self.noise, pred, conf, new, generator)
 
-
     def _target(self, state: CanvasState, s: float) -> Tensor:
         """``[B]`` committed positions due at time ``s``: the pinned ones and ``ceil(alpha(s))`` of the free."""
         width = state.tokens.shape[-1]
@@ -473,7 +472,6 @@ class ConfidenceStep(StepRule):
         need = open_.any(-1) & ~above.any(-1)
         new = above | (best & need.unsqueeze(-1))
         return _renoise(state, self.noise, pred, conf, new, generator)
-
 
     def _first_open_block(self, state: CanvasState) -> Tensor:
         open_ = ~state.committed
