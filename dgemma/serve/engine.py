@@ -513,6 +513,7 @@ class SampleParams(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=10.0, allow_inf_nan=False)
     early_stopping: str | None = None  # none | entropy | stable_confident
     threshold: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)  # the confidence step's
+    self_condition: bool | None = None  # False: every step gets the zero self-conditioning signal (faster)
     delay_ms: int = Field(0, ge=0)  # slow motion: a pause after every step, for watching
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
@@ -610,6 +611,8 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
         sampler = SamplerConfig(num_steps=num_steps, step_type=step_type, temperature=temperature,
                                 early_stopping=rule, entropy_threshold=info.entropy_threshold, max_canvases=n_canvas,
                                 confidence_threshold=threshold, logit_bias={})
+    if req.self_condition is not None:
+        sampler = replace(sampler, self_condition=req.self_condition)
     build_rules(sampler, engine.noise)  # bad settings fail here, before a job starts
     seed = random.randrange(2**31) if req.seed is None else req.seed
     settings = {"step_type": step_type, "num_steps": num_steps, "temperature": temperature, "early_stopping": rule,

@@ -14,8 +14,8 @@ temperature 0); ``stop`` (a string or up to 4) cuts the text before the first ma
 times in one batch, choice ``i`` from its own stream seeded by ``(seed, i)``, so the same seed
 gives the same choices and the first of ``n`` is the answer of ``n = 1``; ``seed`` (unset: a
 random one, reported in the response's ``dgemma.seed``). Diffusion settings are extra body
-fields (``extra_body`` in the openai client): ``steps``, ``step_type``, ``early_stopping`` and
-``threshold``; unset ones take the model's defaults, as in the playground. Anything a
+fields (``extra_body`` in the openai client): ``steps``, ``step_type``, ``early_stopping``,
+``threshold`` and ``self_condition``; unset ones take the model's defaults, as in the playground. Anything a
 diffusion sampler cannot do (``logprobs``, ``echo``, ``best_of``, ``suffix``, penalties,
 tools, a JSON ``response_format``) is refused with a 400 that names the parameter; an unknown
 parameter too. ``logit_bias`` (token id -> bias in [-100, 100]) is added to those logits at
@@ -96,6 +96,7 @@ class _Sampling(BaseModel):
     step_type: str | None = None
     early_stopping: str | None = None
     threshold: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    self_condition: bool | None = None  # False: every step gets the zero self-conditioning signal (faster)
     # refused unless neutral (see refuse_unsupported)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -317,7 +318,8 @@ def build_plan(engine: Engine, req: _Sampling, prompt_ids: list[int], limits, *,
     if req.n > limits.max_choices:
         raise ServeError(f"n {req.n} is over the limit of {limits.max_choices}", 400, param="n")
     params = SampleParams(step_type=req.step_type, num_steps=req.steps, temperature=req.temperature,
-                          early_stopping=req.early_stopping, threshold=req.threshold, seed=req.seed)
+                          early_stopping=req.early_stopping, threshold=req.threshold, seed=req.seed,
+                          self_condition=req.self_condition)
     try:
         plan = make_plan(engine, params, prompt_ids, limits, math.ceil(max_tokens / c))
     except DGemmaError as e:

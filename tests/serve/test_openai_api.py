@@ -130,6 +130,18 @@ def test_stop_strings_cut_the_output(client):
     assert cut.usage.completion_tokens <= complete(client, seed=11, max_tokens=96).usage.completion_tokens
 
 
+def test_self_condition_is_a_request_setting(client):
+    """``self_condition`` in the extra body switches the signal for one request, reported back;
+    unset, the run's own setting (its ``eval_ds.self_condition``, True) holds."""
+    puzzle = generate_puzzles(1, seed=5, difficulty="easy")[0]["puzzle"]
+    plain = client.completions.create(model="tiny_sudoku", prompt=puzzle, extra_body={"steps": 4})
+    off = client.completions.create(model="tiny_sudoku", prompt=puzzle,
+                                    extra_body={"steps": 4, "self_condition": False})
+    assert plain.dgemma["self_condition"] is True and off.dgemma["self_condition"] is False
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny_sudoku", prompt=puzzle, extra_body={"self_condition": "sometimes"})
+
+
 def test_sudoku_completion_keeps_the_pinned_clues(client):
     puzzle = generate_puzzles(1, seed=5, difficulty="easy")[0]["puzzle"]
     r = client.completions.create(model="tiny_sudoku", prompt=puzzle, extra_body={"steps": 20})
