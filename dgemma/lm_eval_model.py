@@ -151,6 +151,10 @@ class DGemmaLM(TemplateLM):
         self.positions = self.model.config.max_position_embeddings
         if self.canvases < 1 or self.steps < 1:
             raise DGemmaError(f"canvases and steps must be >= 1, got {self.canvases} and {self.steps}")
+        # a run's own decoding settings (eval_ds), under the model args and each request's
+        self.run_settings = None if self.cfg is None else eval_settings(
+            self.cfg, num_steps=self.steps, step_type=self.step_type, temperature=self.temperature,
+            early_stopping=self.early_stopping, tokenizer=self.tok)
         build_rules(self._settings_for(self.temperature, 1.0, 1), self.noise)  # bad settings fail here, not mid-run
         self._warned: set[str] = set()
         log.warning(ELBO_NOTE.format(mc=self.mc_samples))
@@ -234,11 +238,7 @@ class DGemmaLM(TemplateLM):
                             early_stopping=self.early_stopping or "none", entropy_threshold=self.entropy_threshold,
                             max_canvases=canvases, top_p=top_p, logit_bias=self.logit_bias,
                             confidence_threshold=None if self.threshold is None else float(self.threshold))
-        if self.cfg is None:
-            return ask
-        return ask.merged(eval_settings(self.cfg, num_steps=self.steps, step_type=self.step_type,
-                                        temperature=temperature, early_stopping=self.early_stopping,
-                                        tokenizer=self.tok))
+        return ask if self.run_settings is None else ask.merged(self.run_settings)
 
     def _settings(self, gen_kwargs: dict) -> tuple[tuple[str, ...], int, float, float]:
         """``(until, max_gen_toks, temperature, top_p)`` of one request's generation kwargs."""

@@ -47,7 +47,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--early-stopping", choices=["none", "entropy", "stable_confident"])
     p.add_argument("--canvases", type=int, help="canvases at most (default: the run's)")
     p.add_argument("--no-self-condition", dest="self_condition", action="store_false", default=None,
-                   help="feed every step the zero self-conditioning signal (faster; docs/concepts/self-conditioning.md)")
+                   help="feed every step the zero self-conditioning signal "
+                        "(faster; docs/concepts/self-conditioning.md)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

@@ -509,13 +509,7 @@ def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *,
         z = adjust(z)
     if whole:
         return z if into is None else into.adopt(z)
-    if into is not None:
-        logits = into.write(z, tokens, open_)
-    else:
-        logits = z.new_full((*open_.shape, z.shape[-1]), torch.finfo(z.dtype).min)
-        logits[open_] = z
-        closed = (~open_).nonzero(as_tuple=True)
-        logits[(*closed, tokens[closed])] = 0.0
+    logits = (into or CanvasLogits()).write(z, tokens, open_)  # a fresh one: every closed row written
     remember_open_rows(logits, open_, z, keep_probs=keep_probs)
     return logits
 

@@ -349,7 +349,8 @@ def test_lm_head_where_the_step_reads_equals_everywhere(monkeypatch, rule, tempe
             if not narrow:
                 s.reads = lambda *a, **k: None
             return s
-        kw = {"stable_first": rule != "commit_no_stable", "order": "margin" if rule == "commit_margin" else "confidence"}
+        kw = {"stable_first": rule != "commit_no_stable",
+              "order": "margin" if rule == "commit_margin" else "confidence"}
         return (CommitStep if narrow else _ReadsAll)(noise, temperature=temperature, block=4, **kw)
 
     calls = []
