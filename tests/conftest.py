@@ -40,6 +40,12 @@ def tiny_run(tmp_path_factory) -> Path:
     return train_tiny_sudoku(tmp_path_factory.mktemp("serve") / "tiny_sudoku")
 
 
+@pytest.fixture(scope="session")
+def tiny_run_sc(tmp_path_factory) -> Path:
+    """The tiny Sudoku run with a self-conditioning block (the shipped Sudoku model has none)."""
+    return train_tiny_sudoku(tmp_path_factory.mktemp("serve") / "tiny_sudoku_sc", "--cfg.model.self_conditioning=true")
+
+
 def tiny_bpe(texts: list[str]):
     """A byte-level BPE (300 tokens) with Gemma's special tokens, trained on ``texts`` x 5, as
     dgemma's Tokenizer: any text round-trips and the chat template applies."""

@@ -164,7 +164,9 @@ def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
     defaults = {"step_type": e.step_type if e.step_type in STEPS else "commit",
                 "num_steps": min(e.steps[0], limits.max_steps),
                 "temperature": e.temperature, "early_stopping": e.early_stopping or "none",
-                "threshold": e.confidence_threshold}
+                "threshold": e.confidence_threshold,
+                # the page's switch: None where the model has no self-conditioning block
+                "self_condition": e.self_condition is not False if cfg.model.self_conditioning else None}
     max_pos = cfg.model.max_position_embeddings
     return ModelInfo(str(workdir), "run", cfg.diffusion.process, cfg.diffusion.canvas_size,
                      min(max_canvases(cfg), limits.max_canvases), cfg.data.prompt_len, max_pos, defaults,
@@ -191,7 +193,7 @@ def read_examples(workdir: Path, limit: int = 20) -> list[dict]:
 
 def _pretrained_info(source: str, limits: Limits, max_positions: int = 32_768) -> ModelInfo:
     defaults = {"step_type": "confidence", "num_steps": 32, "temperature": 0.0, "early_stopping": "none",
-                "threshold": 0.9}
+                "threshold": 0.9, "self_condition": None}  # load_pretrained builds no self-conditioning block
     return ModelInfo(source, "pretrained", "uniform", 32, 4, limits.max_prompt_tokens, max_positions, defaults)
 
 
@@ -618,7 +620,8 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
     settings = {"step_type": step_type, "num_steps": num_steps, "temperature": temperature, "early_stopping": rule,
                 "threshold": threshold, "max_canvases": n_canvas, "canvas_size": info.canvas_size,
                 "seed": seed, "delay_ms": req.delay_ms, "prompt_tokens": len(prompt_ids),
-                "commit_block": sampler.commit_block, "self_condition": sampler.resolved().self_condition,
+                "commit_block": sampler.commit_block,
+                "self_condition": sampler.resolved().self_condition if engine.model.self_conditioning is not None else None,
                 "logit_bias": info.cfg.eval_ds.logit_bias if info.cfg is not None else None}
     return Plan(settings, prompt_ids, sampler, n_canvas, seed, req.delay_ms / 1000)
 

@@ -173,10 +173,23 @@ def test_browser_answers_a_pubmedqa_question_with_the_shipped_adapter(live_serve
         assert page.input_value("#system") == examples[0]["system"]
         page.fill("#t-num_steps", "16")
         page.fill("#t-max_canvases", "1")  # the verdict comes first: one canvas holds it
-        page.click("#generate")
+        assert page.is_visible("#t-self_condition") and page.is_checked("#t-self_condition")  # the run's setting
+        with page.expect_request("**/api/text/generate") as sent:
+            page.click("#generate")
         page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
         text, status = page.inner_text("#canvases"), page.inner_text("#t-status")
         page.screenshot(path=str(tmp_path / "pubmedqa.png"), full_page=True)
+        body = json.loads(sent.value.post_data)
+
+        # the switch: off, the page asks for the zero signal, and the answer keeps its form
+        page.uncheck("#t-self_condition")
+        with page.expect_request("**/api/text/generate") as sent_off:
+            page.click("#generate")
+        page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
+        text_off = page.inner_text("#canvases")
+        body_off = json.loads(sent_off.value.post_data)
     assert not problems, problems
     assert re.search(r"The answer is: (yes|no|maybe)", text), text
     assert "done" in status, status
+    assert body["self_condition"] is True and body_off["self_condition"] is False
+    assert re.search(r"The answer is: (yes|no|maybe)", text_off), text_off

@@ -130,16 +130,22 @@ def test_stop_strings_cut_the_output(client):
     assert cut.usage.completion_tokens <= complete(client, seed=11, max_tokens=96).usage.completion_tokens
 
 
-def test_self_condition_is_a_request_setting(client):
+def test_self_condition_is_a_request_setting(client, tiny_run_sc, live_server):
     """``self_condition`` in the extra body switches the signal for one request, reported back;
-    unset, the run's own setting (its ``eval_ds.self_condition``, True) holds."""
+    unset, the run's own setting (its ``eval_ds.self_condition``, True) holds. A model without a
+    self-conditioning block (the tiny Sudoku run, like the shipped one) reports none."""
+    from dgemma.serve.app import create_app
+
     puzzle = generate_puzzles(1, seed=5, difficulty="easy")[0]["puzzle"]
-    plain = client.completions.create(model="tiny_sudoku", prompt=puzzle, extra_body={"steps": 4})
-    off = client.completions.create(model="tiny_sudoku", prompt=puzzle,
-                                    extra_body={"steps": 4, "self_condition": False})
+    server = live_server(create_app(sudoku=tiny_run_sc, text=None, device="cpu"))
+    sc = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    plain = sc.completions.create(model="tiny_sudoku_sc", prompt=puzzle, extra_body={"steps": 4})
+    off = sc.completions.create(model="tiny_sudoku_sc", prompt=puzzle, extra_body={"steps": 4, "self_condition": False})
     assert plain.dgemma["self_condition"] is True and off.dgemma["self_condition"] is False
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny_sudoku", prompt=puzzle, extra_body={"self_condition": "sometimes"})
+        sc.completions.create(model="tiny_sudoku_sc", prompt=puzzle, extra_body={"self_condition": "sometimes"})
+    none = client.completions.create(model="tiny_sudoku", prompt=puzzle, extra_body={"steps": 4, "self_condition": False})
+    assert none.dgemma["self_condition"] is None
 
 
 def test_sudoku_completion_keeps_the_pinned_clues(client):

@@ -81,7 +81,7 @@ def test_on_step_hook_reports_every_step_and_changes_nothing(tiny_run):
     assert calls[-1]["done"].all() and not calls[0]["done"].any()
 
 
-def test_a_run_decodes_with_its_own_eval_settings(tiny_run, tmp_path):
+def test_a_run_decodes_with_its_own_eval_settings(tiny_run_sc, tmp_path):
     """The playground and the OpenAI API decode a run as its evaluations do: the request's settings
     on top of the run's ``eval_ds`` (commit blocks, ranking, the self-conditioning switch, the
     confidence threshold), not on top of the rules' bare defaults."""
@@ -92,7 +92,7 @@ def test_a_run_decodes_with_its_own_eval_settings(tiny_run, tmp_path):
     from dgemma.training.runs import load_run
 
     work = tmp_path / "run"
-    shutil.copytree(tiny_run, work)
+    shutil.copytree(tiny_run_sc, work)
     raw = json.loads((work / "config.json").read_text())
     raw["eval_ds"].update(commit_block=3, commit_stable_first=False, self_condition=False, confidence_threshold=0.8)
     (work / "config.json").write_text(json.dumps(raw))
@@ -107,6 +107,19 @@ def test_a_run_decodes_with_its_own_eval_settings(tiny_run, tmp_path):
     assert plan_sampler(engine, plan, on_step=None).step.threshold == 0.8  # the run's, not 0.9
     plan = make_plan(engine, SampleParams(step_type="confidence", threshold=0.5), [2, 5, 6], limits)
     assert plan_sampler(engine, plan, on_step=None).step.threshold == 0.5  # the request's wins
+
+    # the page's self-conditioning switch starts at the run's setting, and a model without the
+    # block has no switch and reports none
+    assert engine.info.defaults["self_condition"] is False
+    raw["eval_ds"].pop("self_condition")
+    (work / "config.json").write_text(json.dumps(raw))
+    assert _run_info(work, load_config(str(work / "config.json")), limits).defaults["self_condition"] is True
+    raw["model"]["self_conditioning"] = False
+    (work / "config.json").write_text(json.dumps(raw))
+    assert _run_info(work, load_config(str(work / "config.json")), limits).defaults["self_condition"] is None
+    run.model.self_conditioning = None
+    plan = make_plan(engine, SampleParams(step_type="commit", num_steps=3, self_condition=True), [2, 5, 6], limits)
+    assert plan.settings["self_condition"] is None
 
 
 def test_on_step_hook_exception_aborts_sampling(tiny_run):

@@ -55,6 +55,10 @@ function fillControls(prefix, model) {
   if (d.temperature !== undefined) $(`${prefix}-temperature`).value = d.temperature;
   if (d.early_stopping) $(`${prefix}-early_stopping`).value = d.early_stopping;
   if (d.threshold !== undefined) $(`${prefix}-threshold`).value = d.threshold;
+  // only a model with a self-conditioning block has the switch; checked = the run's own setting
+  const sc = $(`${prefix}-self_condition`);
+  sc.parentElement.hidden = d.self_condition === null || d.self_condition === undefined;
+  sc.checked = d.self_condition === true;
   const canv = $(`${prefix}-max_canvases`);
   if (canv && model.max_canvases) canv.value = model.max_canvases;
   if (INFO) $(`${prefix}-num_steps`).max = INFO.limits.max_steps;
@@ -75,6 +79,7 @@ function readControls(prefix) {
     delay_ms: num("delay_ms") || 0,
   };
   if (out.step_type === "confidence") out.threshold = num("threshold");
+  if (!$(`${prefix}-self_condition`).parentElement.hidden) out.self_condition = $(`${prefix}-self_condition`).checked;
   return out;
 }
 
@@ -310,7 +315,8 @@ async function generate() {
 function onTextEvent(event, d) {
   if (event === "start") {
     markLoaded("t", "text");
-    $("t-status").textContent = `${d.prompt_tokens} prompt tokens · ${d.step_type}, ${d.num_steps} steps, seed ${d.seed}`;
+    $("t-status").textContent = `${d.prompt_tokens} prompt tokens · ${d.step_type}, ${d.num_steps} steps, seed ${d.seed}` +
+      (d.self_condition === false ? " · no self-conditioning" : "");
   } else if (event === "step") {
     drawTokens(canvasBox(d.canvas), `canvas ${d.canvas + 1} · step ${d.step}/${d.num_steps}`, d.tokens);
     $("t-status").textContent =
