@@ -146,7 +146,8 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
     place a sampler is assembled. ``generators`` (one per batch row) gives every row its own
     random stream (:class:`~dgemma.diffusion.wrappers.RowSeeded`: outputs independent of the
     batch); ``on_step`` is the sampler's per-step hook; ``engine`` passes the sampler's own
-    switches through (``use_cache``, ``record``, ``skip_committed``), which change no output."""
+    switches through (``use_cache``, ``record``, ``skip_committed``, ``hook_reads_guesses``),
+    which change no output."""
 
     step, stop = build_rules(cfg, noise)
     cfg = cfg.resolved()

@@ -111,6 +111,10 @@ class CanvasSampler:
     # propagates (how a server cancels a request). It draws nothing from the generator, so
     # outputs are the same with or without it.
     on_step: Callable[..., None] | None = None
+    # the hook reads `argmax` at open positions (the playground's guesses). False: it reads only
+    # what the sampler emits, so the LM head may still run where the step reads (`argmax` is then
+    # stale at the positions it skipped; an emitted canvas never holds one of them)
+    hook_reads_guesses: bool = True
 
     @property
     def forbid(self) -> int | None:
@@ -191,8 +195,8 @@ class CanvasSampler:
         conditioned = self.self_condition and model.self_conditioning is not None
         reuse = self.reuse_logits and not conditioned and getattr(model, "time_embedding", False) is None
         # nothing but the step reads the logits: the LM head runs where the step looks (Step.reads)
-        narrow = (not conditioned and not self.record and self.on_step is None and isinstance(self.stop, NoStop)
-                  and hasattr(self.step, "reads"))
+        narrow = (not conditioned and not self.record and (self.on_step is None or not self.hook_reads_guesses)
+                  and isinstance(self.stop, NoStop) and hasattr(self.step, "reads"))
         last = None  # (canvas, rows read, logits) of the last forward, while the running rows stay the same
         kept = CanvasLogits()  # the logits tensor, rewritten in place where a pass changes it
         for i in range(self.num_steps):

@@ -709,23 +709,26 @@ class Progress:
                 "mean_steps_per_canvas": round(s["mean_steps_per_canvas"], 3)}
 
 
-def plan_sampler(engine: Engine, plan: Plan, on_step: Callable, generators=None):
-    """The plan's :class:`~dgemma.diffusion.sampler.CanvasSampler` for the engine's model, ``on_step`` its hook."""
+def plan_sampler(engine: Engine, plan: Plan, on_step: Callable, generators=None, guesses: bool = True):
+    """The plan's :class:`~dgemma.diffusion.sampler.CanvasSampler` for the engine's model, ``on_step``
+    its hook; ``guesses=False`` for a hook that never reads the model's guesses at open positions."""
     return build_sampler(replace(plan.sampler, top_p=plan.top_p), noise=engine.noise,
                          canvas_size=engine.info.canvas_size, stop_ids=engine.stop_ids, generators=generators,
-                         on_step=on_step)
+                         on_step=on_step, hook_reads_guesses=guesses)
 
 
-def run_sampler(engine: Engine, plan: Plan, on_step: Callable):
+def run_sampler(engine: Engine, plan: Plan, on_step: Callable, guesses: bool = True):
     """Sample ``plan.rows`` rows of the plan's prompt. With ``plan.row_seeds`` row ``i`` draws
     from its own generator seeded by ``derive_seed(seed, i)`` (:class:`~dgemma.diffusion.wrappers.RowSeeded`),
     so the first of ``n`` samples is the one sample of ``n = 1``; otherwise one generator
-    seeded by ``seed`` serves the batch (the playground's rule)."""
+    seeded by ``seed`` serves the batch (the playground's rule). ``guesses``: see :func:`plan_sampler`
+    (the page draws the guesses; the OpenAI API reads only what is emitted, and then the LM head
+    runs only where the step reads, as in ``dgemma generate``)."""
     dev = engine.device
     gens = None
     if plan.row_seeds:
         gens = [torch.Generator(device=dev).manual_seed(derive_seed(plan.seed, i)) for i in range(plan.rows)]
-    sampler = plan_sampler(engine, plan, on_step, generators=gens)
+    sampler = plan_sampler(engine, plan, on_step, generators=gens, guesses=guesses)
     ids = torch.tensor([plan.prompt_ids] * plan.rows, dtype=torch.long, device=dev)
     valid = torch.ones_like(ids, dtype=torch.bool)
     if engine.model.config.attn_implementation == "flex" and ids.shape[1] < engine.info.prompt_len:

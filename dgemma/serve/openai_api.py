@@ -477,7 +477,7 @@ def sample_work(engine: Engine, plan: Plan, job, *, chat: bool, model_id: str, s
                 raise _AllFinished
 
         try:
-            run_sampler(engine, plan, on_step)
+            run_sampler(engine, plan, on_step, guesses=False)  # it reads only the emitted canvases
         except _AllFinished:
             pass
         for i in range(plan.rows):  # the sampler ran out of canvases: the token budget is spent

@@ -20,6 +20,7 @@ from dgemma.diffusion.objective import DiffusionObjective
 from dgemma.diffusion.sampler import CanvasSampler, selfcond_signal, vocab_logits
 from dgemma.diffusion.schedules import LinearSchedule
 from dgemma.diffusion.steps import CommitStep, open_softmax, remember_open_rows
+from dgemma.diffusion.wrappers import emitted_canvases
 from dgemma.errors import DGemmaError
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
@@ -361,15 +362,24 @@ def test_lm_head_where_the_step_reads_equals_everywhere(monkeypatch, rule, tempe
         return real(model_, hidden, tokens, open_, **kw)
 
     monkeypatch.setattr(sampler_mod, "vocab_logits", counting)
-    out = {}
+    out, seen = {}, {True: [], False: []}
+
+    def hook(narrow):  # what a streaming front-end reads: the canvases each step emits
+        def on_step(*, canvas, step, rows, tokens, committed, argmax, done, **_):
+            emitted = emitted_canvases(tokens, committed, argmax, last=step == steps - 1)
+            seen[narrow].append((canvas, step, rows, done.tolist(), emitted[done].tolist()))
+        return on_step
+
     for narrow in (True, False):
         calls.clear()
+        # the narrow run has a hook that reads no guesses: the LM head still runs where the step reads
         s = CanvasSampler(noise=noise, step=step(narrow), num_steps=steps, canvas_size=width, max_canvases=2,
-                          stop_ids=(7,), self_condition=False)
+                          stop_ids=(7,), self_condition=False, on_step=hook(narrow), hook_reads_guesses=not narrow)
         out[narrow] = (s(model, prompt, valid, generator=torch.Generator().manual_seed(0), hints=hints), list(calls))
     fast, slow = out[True][0], out[False][0]
     assert fast.tokens == slow.tokens and fast.forward_passes == slow.forward_passes
     assert fast.steps_used == slow.steps_used
+    assert seen[True] == seen[False]  # the hook saw the same rows end with the same canvases
     assert sum(n for _, n in out[True][1]) < sum(n for _, n in out[False][1])  # fewer rows through the head
     assert 7 in fast.tokens[2] and len(fast.tokens[2]) <= 9  # cut at the pinned stop token
 

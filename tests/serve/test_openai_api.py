@@ -285,3 +285,46 @@ def test_disconnects_cancel_the_job(one_slot):
     steps = status()["jobs"][0]["steps"]
     time.sleep(0.6)
     assert status()["jobs"][0]["steps"] == steps < 8000  # stopped for good, inside its first canvas
+
+
+def test_the_api_runs_the_lm_head_only_where_the_step_reads(tiny_run, live_server, tmp_path, monkeypatch):
+    """The API's hook reads only the canvases the sampler emits, never the model's guesses, so for
+    a run that commits in blocks without a self-conditioning signal the LM head runs only where the
+    step reads (as in ``dgemma generate``), and the completion is the one of a sampler that reads
+    every open position."""
+    import shutil
+
+    import dgemma.diffusion.sampler as sampler_mod
+    import dgemma.serve.openai_api as api
+    from dgemma.serve.app import create_app
+
+    work = tmp_path / "blocks"
+    shutil.copytree(tiny_run, work)
+    raw = json.loads((work / "config.json").read_text())
+    raw["eval_ds"].update(commit_block=3)
+    (work / "config.json").write_text(json.dumps(raw))
+    head_rows, asked, force = [], [], {}
+    real_head, real_run = sampler_mod.vocab_logits, api.run_sampler
+
+    def counting(model, hidden, tokens, open_, **kw):
+        head_rows.append(int(open_.sum()))
+        return real_head(model, hidden, tokens, open_, **kw)
+
+    def run(engine, plan, on_step, guesses=True):
+        asked.append(guesses)
+        return real_run(engine, plan, on_step, guesses=force.get("guesses", guesses))
+
+    monkeypatch.setattr(sampler_mod, "vocab_logits", counting)
+    monkeypatch.setattr(api, "run_sampler", run)
+    server = live_server(create_app(sudoku=work, text=None, device="cpu"))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    puzzle = generate_puzzles(1, seed=5, difficulty="easy")[0]["puzzle"]
+    ask = {"model": "blocks", "prompt": puzzle, "temperature": 0, "seed": 3, "extra_body": {"steps": 8}}
+    fast = client.completions.create(**ask)
+    fast_rows = sum(head_rows)
+    head_rows.clear()
+    force["guesses"] = True  # the same request through a sampler whose hook reads the guesses
+    slow = client.completions.create(**ask)
+    assert asked == [False, False]
+    assert fast.choices[0].text == slow.choices[0].text and len(fast.choices[0].text) > 40
+    assert fast_rows < sum(head_rows)
