@@ -67,7 +67,12 @@ Deviations from ``configs/sft_pubmedqa.py``, each with its reason (figures measu
   ``<end_of_turn>`` 0.1% at the end of its own training answers. Both models (AR too) are
   decoded with it; with answers ending in EOS (above) it changes nothing unless a model writes
   one of those untrained rows, which then ends the answer instead of trailing it.
-- Every checkpoint is kept (``keep_last=None``, every 20 steps): the held-out curve is measured
+- ``eval_ds.interactive_steps=16, interactive_early_stopping="none"`` (added 2026-12-05, decoding
+  only): ``dgemma generate``, the playground and the OpenAI API decode with 16 steps a canvas and
+  no early stop unless asked otherwise. Before, they took ``steps[0]`` = 8 and the entropy rule,
+  where a fifth of the test verdicts no longer parse; 16 steps is the fastest setting that keeps
+  the 32-step verdicts (checkpoints/pubmedqa_270m/README.md).
+- Every checkpoint is kept (``keep_last=None``, every 40 steps): the held-out curve is measured
   on them afterwards (``dgemma eval --step=S --eval_names=train_eval_sample_ar_steps16``)
   instead of pausing training for it.
 
@@ -99,5 +104,5 @@ def get_config() -> Config:
                           log_every=1, threads=2),
         eval_ds=EvalConfig(batch_size=16, steps=[8, 16, 32], step_type="commit", temperature=0.0,
                            early_stopping="entropy", entropy_threshold=0.05, commit_block=4, stop_alias_cos=0.95,
-                           num_examples=500),
+                           interactive_steps=16, interactive_early_stopping="none", num_examples=500),
     )

@@ -72,8 +72,8 @@ from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.pretrained import load_pretrained
 from dgemma.models.selfcond import expected_embedding
-from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, max_canvases,
-                             resolve_logit_bias)
+from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_defaults,
+                             max_canvases, resolve_logit_bias)
 from dgemma.tasks.sudoku import puzzle_hint
 from dgemma.training.runs import load_run
 from dgemma.training.trainer import derive_seed
@@ -122,8 +122,9 @@ class DGemmaLM(TemplateLM):
             self.cfg, self.model, self.tok, self.noise = r.cfg, r.model, r.tokenizer, r.noise()
             e, d = r.cfg.eval_ds, r.cfg.diffusion
             self.canvas_size, default_canvases, self.t_eps = d.canvas_size, max_canvases(r.cfg), d.t_eps
-            defaults = {"steps": e.steps[0], "step_type": e.step_type, "temperature": e.temperature,
-                        "early_stopping": e.early_stopping}
+            run_steps, run_rule = interactive_defaults(e)
+            defaults = {"steps": run_steps, "step_type": e.step_type, "temperature": e.temperature,
+                        "early_stopping": None if run_rule == "none" else run_rule}
             self.entropy_threshold = e.entropy_threshold
             self.logit_bias = resolve_logit_bias(e.logit_bias, r.tokenizer)  # generation only, not the ELBO
             self.pin_clues = bool(r.cfg.data.pin_clues) if pin_clues is None else bool(pin_clues)
@@ -146,7 +147,8 @@ class DGemmaLM(TemplateLM):
         self.step_type = step_type or defaults["step_type"]
         self.temperature = float(defaults["temperature"] if temperature is None else temperature)
         self.threshold = threshold
-        self.early_stopping = early_stopping if early_stopping not in (None, "none") else defaults["early_stopping"]
+        self.early_stopping = defaults["early_stopping"] if early_stopping is None else \
+            (None if early_stopping == "none" else early_stopping)  # "none" overrides a run's rule
         self.canvases = int(canvases or default_canvases)
         self.positions = self.model.config.max_position_embeddings
         if self.canvases < 1 or self.steps < 1:

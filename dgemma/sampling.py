@@ -93,6 +93,17 @@ def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
                          logit_bias=resolve_logit_bias(e.logit_bias, tokenizer), self_condition=e.self_condition)
 
 
+def interactive_defaults(e) -> tuple[int, str]:
+    """``(steps, early_stopping)`` a run decodes with when a user does not say (``dgemma generate``,
+    the playground and OpenAI API, :func:`load_model`, the lm-eval model): ``eval_ds.interactive_steps``
+    and ``interactive_early_stopping`` where the run names them, else its first evaluation's.
+    ``eval_ds.steps`` and ``early_stopping`` list what ``dgemma eval`` measures, cheapest first
+    perhaps, which need not be the setting a run's quality was reported at."""
+    steps = e.interactive_steps or e.steps[0]
+    rule = e.interactive_early_stopping or e.early_stopping or "none"
+    return steps, rule
+
+
 def resolve_logit_bias(bias: dict[str, float] | None, tokenizer) -> dict[int, float]:
     """``eval_ds.logit_bias`` (keyed by a token's text, e.g. ``{" no": 1.5}``) keyed by token id.
     Each key must be exactly one token of ``tokenizer``: a bias on a word that splits into
@@ -252,8 +263,9 @@ def load_model(source: str | Path, *, pretrained: bool = False, dtype: str = "au
     if not pretrained:
         run = load_run(source, dtype=dtype, device=device)
         e = run.cfg.eval_ds
-        defaults = eval_settings(run.cfg, num_steps=e.steps[0], step_type=e.step_type, temperature=e.temperature,
-                                 early_stopping=e.early_stopping, tokenizer=run.tokenizer)
+        steps, rule = interactive_defaults(e)
+        defaults = eval_settings(run.cfg, num_steps=steps, step_type=e.step_type, temperature=e.temperature,
+                                 early_stopping=rule, tokenizer=run.tokenizer)
         return Model(run.model, run.tokenizer, run.noise(), run.cfg.diffusion.canvas_size, run.cfg.data.prompt_len,
                      defaults, trained=True, source=str(source))
     model, tokenizer = load_pretrained(str(source))

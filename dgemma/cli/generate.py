@@ -10,7 +10,8 @@ is not what a trained model writes.
 carries test-set questions; ``--list-examples`` prints them). ``--file F`` reads prompts from a text file (one per line) or a JSONL file (``{"prompt": ...,
 "system": ...}`` per line, e.g. ``data/pubmedqa/test.jsonl``); ``--out F.jsonl`` writes one
 record per prompt (prompt, output, tokens, forward passes, seconds, settings). Sampler settings
-default to the run's ``eval_ds`` (steps, step rule, temperature, early stopping).
+default to the run's ``eval_ds`` (step rule, temperature; steps and early stopping from
+``dgemma/sampling.py:interactive_defaults``: 16 steps and none for the shipped adapter).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     src.add_argument("--checkpoint", metavar="DIR", help=f"a training workdir (default {SHIPPED.name} as shipped)")
     src.add_argument("--pretrained", metavar="SRC", help="an unadapted base: gemma3-270m, a Gemma 3 folder or .gguf")
     p.add_argument("--system", help="a system instruction (default: the record's, or none)")
-    p.add_argument("--steps", type=int, help="denoising steps per canvas (default: the run's first eval_ds.steps)")
+    p.add_argument("--steps", type=int, help="denoising steps per canvas (default: the run's eval_ds.interactive_steps, "
+                                              "else its first eval_ds.steps)")
     p.add_argument("--step-type", choices=["ddim", "commit", "confidence", "entropy_bound"])
     p.add_argument("--temperature", type=float)
     p.add_argument("--early-stopping", choices=["none", "entropy", "stable_confident"])

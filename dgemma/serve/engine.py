@@ -43,7 +43,7 @@ from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import DEFAULT_VARIANTS, round_steps, solve_verified
 from dgemma.eval.visualize import Frame, sudoku_cells, token_piece
 from dgemma.models.pretrained import load_pretrained
-from dgemma.sampling import SamplerConfig, build_rules, build_sampler, eval_settings, max_canvases
+from dgemma.sampling import SamplerConfig, build_rules, build_sampler, eval_settings, interactive_defaults, max_canvases
 from dgemma.tasks import get_task, response_stop_ids
 from dgemma.tasks.sudoku import extract_digits
 from dgemma.training.config import load_config
@@ -161,9 +161,10 @@ class Engine:
 
 def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
     e = cfg.eval_ds
+    steps, rule = interactive_defaults(e)
     defaults = {"step_type": e.step_type if e.step_type in STEPS else "commit",
-                "num_steps": min(e.steps[0], limits.max_steps),
-                "temperature": e.temperature, "early_stopping": e.early_stopping or "none",
+                "num_steps": min(steps, limits.max_steps),
+                "temperature": e.temperature, "early_stopping": rule,
                 "threshold": e.confidence_threshold,
                 # the page's switch: None where the model has no self-conditioning block
                 "self_condition": e.self_condition is not False if cfg.model.self_conditioning else None}
@@ -621,7 +622,8 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
                 "threshold": threshold, "max_canvases": n_canvas, "canvas_size": info.canvas_size,
                 "seed": seed, "delay_ms": req.delay_ms, "prompt_tokens": len(prompt_ids),
                 "commit_block": sampler.commit_block,
-                "self_condition": sampler.resolved().self_condition if engine.model.self_conditioning is not None else None,
+                "self_condition": (sampler.resolved().self_condition
+                                   if engine.model.self_conditioning is not None else None),
                 "logit_bias": info.cfg.eval_ds.logit_bias if info.cfg is not None else None}
     return Plan(settings, prompt_ids, sampler, n_canvas, seed, req.delay_ms / 1000)
 

@@ -209,6 +209,9 @@ class EvalConfig:
     stop_alias_cos: float | None = None  # fold tokens whose embedding has this cosine with a stop token's into it
     logit_bias: dict[str, float] | None = None  # {token text: bias} added to those logits at every step (both decoders)
     self_condition: bool = True  # diffusion decoder: feed each step's prediction to the next (False: a zero signal)
+    # what generate, serve, load_model and the lm-eval model decode with unless asked otherwise
+    interactive_steps: int | None = None  # steps of generate / serve / load_model / lm-eval (None: steps[0])
+    interactive_early_stopping: Literal["none", "entropy", "stable_confident"] | None = None  # None: early_stopping
     num_examples: int = 256
     split: str | None = None  # the evaluators' split (None: the task's default, e.g. test)
     seed: int = 0
@@ -218,7 +221,7 @@ class EvalConfig:
     puzzle_seed: int = 7_919  # sudoku without data.path: seed of the generated held-out puzzles
 
     def __post_init__(self):
-        _positive(self, "batch_size", "max_canvases", "num_examples", "commit_block")
+        _positive(self, "batch_size", "max_canvases", "num_examples", "commit_block", "interactive_steps")
         _fraction(self, "min_stop_prob", "confidence_threshold", "stop_alias_cos")
         for name in ("entropy_bound", "stop_confidence_threshold"):
             if not getattr(self, name) > 0:

@@ -74,3 +74,42 @@ def test_examples_shipped_with_a_model(tiny_run, tmp_path):
     assert row["prompt"] == PUZZLE[::-1] and row["label"] == "no"
     bad = cli("--checkpoint", str(run), "--example", "2")
     assert bad.returncode != 0 and "examples 0..1" in bad.stderr
+
+
+def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp_path):
+    """``eval_ds.interactive_steps`` / ``interactive_early_stopping`` set what generate, the
+    playground, load_model and the lm-eval model decode with unless asked; unset, the run's first
+    evaluation (``steps[0]``, ``early_stopping``). The shipped PubMedQA adapter names 16 steps and
+    no early stop: its first evaluation (8 steps) loses a fifth of the test verdicts."""
+    import shutil
+
+    from dgemma import shipped
+    from dgemma.lm_eval_model import DGemmaLM
+    from dgemma.sampling import interactive_defaults, load_model
+    from dgemma.serve.engine import Limits, _run_info
+    from dgemma.training.config import load_config
+
+    work = tmp_path / "run"
+    shutil.copytree(tiny_run, work)
+    raw = json.loads((work / "config.json").read_text())
+
+    def front_ends(**eval_ds):
+        raw["eval_ds"].update(steps=[3, 5], early_stopping="entropy", **eval_ds)
+        (work / "config.json").write_text(json.dumps(raw))
+        cfg = load_config(str(work / "config.json"))
+        serve = _run_info(work, cfg, Limits()).defaults
+        lm = DGemmaLM(run=str(work), device="cpu")
+        model = load_model(work, device="cpu")
+        r = cli("--checkpoint", str(work), PUZZLE, "--out", str(tmp_path / "o.jsonl"))
+        assert r.returncode == 0, r.stderr[-2000:]
+        gen = json.loads((tmp_path / "o.jsonl").read_text())["settings"]
+        return {(model.defaults.num_steps, model.defaults.early_stopping), (serve["num_steps"], serve["early_stopping"]),
+                (lm.steps, lm.early_stopping or "none"), (gen["num_steps"], gen["early_stopping"]),
+                interactive_defaults(cfg.eval_ds)}
+
+    assert front_ends() == {(3, "entropy")}
+    assert front_ends(interactive_steps=5, interactive_early_stopping="none") == {(5, "none")}
+    assert front_ends(interactive_steps=5, interactive_early_stopping=None) == {(5, "entropy")}
+    lm = DGemmaLM(run=str(work), device="cpu", early_stopping="none")  # asked: none, over the run's rule
+    assert lm.early_stopping is None
+    assert interactive_defaults(load_config(str(shipped.PUBMEDQA / "config.json")).eval_ds) == (16, "none")
