@@ -97,8 +97,8 @@ def interactive_defaults(e) -> tuple[int, str]:
     """``(steps, early_stopping)`` a run decodes with when a user does not say (``dgemma generate``,
     the playground and OpenAI API, :func:`load_model`, the lm-eval model): ``eval_ds.interactive_steps``
     and ``interactive_early_stopping`` where the run names them, else its first evaluation's.
-    ``eval_ds.steps`` and ``early_stopping`` list what ``dgemma eval`` measures, cheapest first
-    perhaps, which need not be the setting a run's quality was reported at."""
+    ``eval_ds.steps`` and ``early_stopping`` list what ``dgemma eval`` measures (the PubMedQA
+    recipe lists 8 steps first), which need not be the setting a run's quality is reported at."""
     steps = e.interactive_steps or e.steps[0]
     rule = e.interactive_early_stopping or e.early_stopping or "none"
     return steps, rule

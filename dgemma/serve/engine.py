@@ -167,7 +167,7 @@ def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
                 "temperature": e.temperature, "early_stopping": rule,
                 "threshold": e.confidence_threshold,
                 # the page's switch: None where the model has no self-conditioning block
-                "self_condition": e.self_condition is not False if cfg.model.self_conditioning else None}
+                "self_condition": bool(e.self_condition) if cfg.model.self_conditioning else None}
     max_pos = cfg.model.max_position_embeddings
     return ModelInfo(str(workdir), "run", cfg.diffusion.process, cfg.diffusion.canvas_size,
                      min(max_canvases(cfg), limits.max_canvases), cfg.data.prompt_len, max_pos, defaults,
