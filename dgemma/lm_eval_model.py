@@ -66,6 +66,7 @@ from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
 from dgemma.diffusion.objective import batch_info
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
+from dgemma.diffusion.stopping import argmax_ids
 from dgemma.errors import DGemmaError
 from dgemma.eval.lite import alpha_and_derivative, uniform_rate_terms
 from dgemma.models.kv_cache import KVCache
@@ -454,7 +455,7 @@ class DGemmaLM(TemplateLM):
         logits = model.logits(h)
         if isinstance(noise, AbsorbingNoise):
             logits[..., noise.mask_token_id] = float("-inf")
-        greedy = ((logits.argmax(-1) == x0) | ~free).all(-1).tolist()
+        greedy = ((argmax_ids(logits) == x0) | ~free).all(-1).tolist()
         return [(-float(v), bool(g)) for v, g in zip(nelbo.tolist(), greedy)]
 
     def _hidden(self, xt, noisy, cache, t, align=None):

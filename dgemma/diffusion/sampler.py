@@ -39,7 +39,7 @@ from dgemma.diffusion.corruption import NoiseProcess
 from dgemma.diffusion.schedules import time_grid
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
 from dgemma.diffusion.steps import CanvasState, Step, open_softmax, remember_open_rows
-from dgemma.diffusion.stopping import NoStop, StoppingRule
+from dgemma.diffusion.stopping import NoStop, StoppingRule, argmax_ids
 from dgemma.errors import DGemmaError
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
@@ -250,10 +250,10 @@ class CanvasSampler:
                 selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, d.embed, state.tokens, open_)
             if self.on_step is not None:
                 self.on_step(canvas=k, step=i, t=float(grid[i]), rows=rows, tokens=state.tokens,
-                             committed=state.committed, argmax=logits.argmax(-1), done=done,
+                             committed=state.committed, argmax=argmax_ids(logits), done=done,
                              reused=reused)
             if d.traj is not None:
-                argmax = logits.argmax(-1)
+                argmax = argmax_ids(logits)
                 for j, r in enumerate(rows):
                     d.traj[r].append({"canvas": k, "step": i, "t": float(grid[i]), "tokens": state.tokens[j].tolist(),
                                       "committed": state.committed[j].tolist(), "argmax": argmax[j].tolist()})
@@ -262,7 +262,7 @@ class CanvasSampler:
                 # emit the argmax canvas of their last prediction
                 final = state.tokens  # (an argmax over [A, C, V] only where a row did stop early)
                 if not is_last and not bool(settled[done].all()):
-                    final = torch.where(settled[:, None], state.tokens, logits.argmax(-1))
+                    final = torch.where(settled[:, None], state.tokens, argmax_ids(logits))
                 canvas[running[done]] = final[done]
                 for r in d.active[running[done]].tolist():
                     d.steps_used[r].append(i + 1)
@@ -592,7 +592,7 @@ def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_toke
         if temperature > 0:
             nxt = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator)[:, 0]
         else:
-            nxt = logits.argmax(-1)
+            nxt = argmax_ids(logits)
         toks = nxt.tolist()  # the one host sync of a step
         for r, tok in zip(rows, toks):
             out[r].append(tok)

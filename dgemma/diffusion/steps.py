@@ -25,7 +25,7 @@ from torch import Tensor
 
 from dgemma.diffusion.corruption import NoiseProcess, UniformNoise
 from dgemma.diffusion.schedules import Schedule, time_grid
-from dgemma.diffusion.stopping import token_entropy
+from dgemma.diffusion.stopping import argmax_ids, token_entropy
 from dgemma.errors import DGemmaError
 
 
@@ -524,7 +524,7 @@ class EntropyBoundStep(StepRule):
         draw = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
         fresh = self.noise.noise_like(tuple(state.tokens.shape), generator=generator, device=state.tokens.device)
         if is_last:  # emit the argmax canvas; the draws above keep the random stream where transformers' is
-            return replace(state, tokens=torch.where(state.committed, state.tokens, scaled.argmax(-1)), prev_pred=draw)
+            return replace(state, tokens=torch.where(state.committed, state.tokens, argmax_ids(scaled)), prev_pred=draw)
         accepted = self.accept(token_entropy(scaled)) & ~state.committed
         tokens = torch.where(state.committed, state.tokens, torch.where(accepted, draw, fresh))
         return replace(state, tokens=tokens, prev_pred=draw)

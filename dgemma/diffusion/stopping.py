@@ -31,6 +31,13 @@ class StoppingRule(Protocol):
     def select(self, rows: Tensor) -> None: ...
 
 
+def argmax_ids(logits: Tensor) -> Tensor:
+    """``logits.argmax(-1)``, the same indices (the first of tied maxima), computed as
+    ``max(-1).indices``: on the 2-core AMX Xeon, torch 2.13, a ``[1, 32, 262,144]`` bf16 argmax
+    took 13.5 ms and this 3.0 ms (fp32: 5.6 and 2.0 ms; one AR row: 0.84 and 0.18 ms)."""
+    return logits.max(-1).indices
+
+
 def token_entropy(scaled: Tensor) -> Tensor:
     """Per-position entropy (nats) of ``softmax(scaled)``: ``[.., V] -> [..]``.
 
@@ -131,7 +138,7 @@ class StableAndConfident:
 
     def update(self, logits: Tensor, temperature: float, valid: Tensor | None = None,
                open_: Tensor | None = None) -> Tensor:
-        argmax = logits.argmax(-1)
+        argmax = argmax_ids(logits)
         if self._prev is None:
             self._streak = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         else:

@@ -547,3 +547,23 @@ def test_a_step_that_changed_no_token_reuses_the_last_forward(use_cache):
                 (st["step"] == 1 and steps[j - 1]["committed"] != [bool(h >= 0) for h in
                                                                      hints[r, st["canvas"] * C:(st["canvas"] + 1) * C]])
         assert alone.forward_passes[0] == 1 + inputs + re_encodes < ref.forward_passes[r]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_argmax_ids_equals_argmax(dtype):
+    """``argmax_ids`` (``max(-1).indices``, the faster kernel) gives ``argmax(-1)``'s indices:
+    vocabulary-wide rows, a batch of canvases, tied maxima (the first wins), -inf, a row of NaN."""
+    from dgemma.diffusion.stopping import argmax_ids
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 262_144), (3, 5, 70_001)]:
+        x = torch.randn(*shape, generator=g).to(dtype)
+        assert torch.equal(argmax_ids(x), x.argmax(-1))
+    x = torch.randn(6, 70_001, generator=g).to(dtype).clamp(max=3.0)
+    x[0, [5, 9, 70_000]] = 4.0  # ties: the first index, as argmax
+    x[1] = 0.5  # every entry tied
+    x[2, :100] = float("-inf")
+    x[3] = float("-inf")
+    x[4, 17] = float("nan")  # NaN is the max, as in argmax
+    assert argmax_ids(x)[:2].tolist() == [5, 0] and argmax_ids(x)[4] == 17
+    assert torch.equal(argmax_ids(x), x.argmax(-1))
