@@ -135,6 +135,34 @@ class AbsorbingNoise(_KeepOrReplace):
         return torch.full(shape, self.mask_token_id, dtype=torch.long, device=device)
 
 
+def block_states(free: Tensor, u: Tensor, canvas_size: int, block: int) -> tuple[Tensor, Tensor]:
+    """Where a left-to-right block sampler stands in each canvas: ``(done, ahead)``, both ``[B, N*C]``.
+
+    ``free [B, N*C]`` marks the positions that may be noised; ``u [B, N]`` in ``[0, 1)`` picks, per
+    canvas, one of its blocks of ``block`` positions that hold a free position, uniformly: the
+    block being decoded. ``done`` is every position before it (committed: kept clean), ``ahead``
+    every position after it (not started: all noise); the block itself keeps the i.i.d. draw at
+    the row's ``t``. These are the states ``eval_ds.commit_block`` visits, which i.i.d. masking
+    almost never draws (a clean prefix with everything after a block masked). Example,
+    ``C = 8, block = 2``, every position free, ``u = [[0.5]]`` (the third of four blocks)::
+
+        done  = [1 1 1 1 0 0 0 0]
+        ahead = [0 0 0 0 0 0 1 1]
+    """
+    b, length = free.shape
+    n = length // canvas_size
+    if length != n * canvas_size or canvas_size % block:
+        raise ValueError(f"{length} positions are not canvases of {canvas_size} in blocks of {block}")
+    per = canvas_size // block
+    has = free.view(b, n, per, block).any(-1)  # [B, N, per] blocks holding a free position
+    rank = (u * has.sum(-1)).floor().long()  # [B, N] which of them
+    current = (has.cumsum(-1) <= rank.unsqueeze(-1)).sum(-1)  # [B, N] its index (per: no free block)
+    blk = torch.arange(per, device=free.device).repeat_interleave(block)  # [C] block of each position
+    done = blk.view(1, 1, -1) < current.unsqueeze(-1)
+    ahead = blk.view(1, 1, -1) > current.unsqueeze(-1)
+    return done.reshape(b, length), ahead.reshape(b, length)
+
+
 NOISES: dict[str, type] = {"uniform": UniformNoise, "absorbing": AbsorbingNoise}
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dgemma.diffusion.corruption import block_states
 from dgemma.diffusion.losses import ar_loss, chunked_cross_entropy
 from dgemma.diffusion.schedules import sample_t
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
@@ -111,7 +112,13 @@ def compact_valid(valid: Tensor) -> Tensor:
 class DiffusionObjective:
     def __init__(self, *, noise, canvas_size: int, t_eps: float = 1e-4, selfcond_prob: float = 0.5,
                  ar_loss_weight: float = 1.0, decode: str = "one", chunk_tokens: int = 1024, loss_on: str = "all",
-                 diffusion_loss_weight: float = 1.0, ar_loss_on: str = "all"):
+                 diffusion_loss_weight: float = 1.0, ar_loss_on: str = "all", block_noise_prob: float = 0.0,
+                 block_noise_size: int = 4):
+        if not 0.0 <= block_noise_prob <= 1.0:
+            raise ValueError(f"block_noise_prob must be in [0, 1], got {block_noise_prob}")
+        if block_noise_prob and (block_noise_size < 1 or canvas_size % block_noise_size):
+            raise ValueError(f"block_noise_size must divide the canvas ({canvas_size}), got {block_noise_size}")
+        self.block_noise_prob, self.block_noise_size = block_noise_prob, block_noise_size
         if loss_on not in ("all", "noised"):
             raise ValueError(f"loss_on must be 'all' or 'noised', got {loss_on!r}")
         if ar_loss_on not in ("all", "response"):
@@ -156,6 +163,8 @@ class DiffusionObjective:
         free = sel if hint is None else sel & (hint < 0)
         # draws use the (CPU) step generator, so a plan is the same on any device
         xt = self.noise.q_sample(x0.cpu(), t.cpu(), generator=generator, where=free.cpu()).to(dev)
+        if self.block_noise_prob:  # some rows as the block sampler leaves them (corruption.py:block_states)
+            xt = self._block_layout(x0, xt, free, generator)
         target = free & (xt != x0) if self.loss_on == "noised" else free
         use = torch.rand(b, generator=generator).to(dev) < self.selfcond_prob if self.selfcond_prob > 0 else None
         if not self.diffusion_loss_weight:  # AR only: nothing is decoded or scored by the diffusion loss
@@ -164,6 +173,18 @@ class DiffusionObjective:
         return Plan(chosen=chosen, t=t, x0=x0, weight=weight, xt=xt, target=target,
                     noisy=TokenInfo(info.positions, info.blocks, torch.ones_like(sel), info.valid),
                     selfcond_rows=use, diffusion_count=int(target.sum()), ar_count=ar_count)
+
+    def _block_layout(self, x0: Tensor, xt: Tensor, free: Tensor, generator: torch.Generator) -> Tensor:
+        """In a share ``block_noise_prob`` of the rows, each decoded canvas keeps its i.i.d. draw only
+        in one block of ``block_noise_size``: the blocks before it are clean, the ones after it noise."""
+        b, n = x0.shape[0], x0.shape[1] // self.canvas_size
+        rows = torch.rand(b, generator=generator) < self.block_noise_prob  # [B]
+        done, ahead = block_states(free.cpu(), torch.rand(b, n, generator=generator), self.canvas_size,
+                                   self.block_noise_size)
+        fresh = self.noise.noise_like(tuple(x0.shape), generator=generator, device="cpu")
+        rows = rows.unsqueeze(-1)
+        out = torch.where(rows & done, x0.cpu(), torch.where(rows & ahead, fresh, xt.cpu()))
+        return torch.where(free.cpu(), out, x0.cpu()).to(xt.device)  # pinned and invalid positions stay clean
 
     def _ar_count(self, batch: dict[str, Tensor]) -> int:
         """Targets of the AR loss: every valid token but each row's first; or, for

@@ -94,10 +94,15 @@ class DiffusionConfig:
     loss_on: Literal["all", "noised"] = "all"  # diffusion loss on every canvas position, or corrupted ones
     mask_token_id: int | None = None  # absorbing process only: the mask token (None: the tokenizer's)
     key_token_weight: float = 1.0  # loss weight of the tokens the task's metric reads (Task.key_tokens); 1 = off
+    block_noise_prob: float = 0.0  # share of rows noised as a left-to-right block sampler leaves a canvas
+    block_noise_size: int = 4  # ... in blocks of this many positions (eval_ds.commit_block; corruption.py:block_states)
 
     def __post_init__(self):
         _positive(self, "canvas_size", "num_canvases", "loss_chunk_tokens")
-        _fraction(self, "selfcond_prob")
+        _fraction(self, "selfcond_prob", "block_noise_prob")
+        _positive(self, "block_noise_size")
+        if self.block_noise_prob and self.canvas_size % self.block_noise_size:
+            raise ValueError(f"block_noise_size ({self.block_noise_size}) must divide canvas_size ({self.canvas_size})")
         if not 0.0 <= self.t_eps < 0.5:
             raise ValueError(f"t_eps must be in [0, 0.5), got {self.t_eps}")
         if not self.key_token_weight > 0:

@@ -207,7 +207,8 @@ def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
     d = cfg.diffusion
     return DiffusionObjective(noise=build_noise_for(cfg, model, tokenizer), canvas_size=d.canvas_size, t_eps=d.t_eps, selfcond_prob=d.selfcond_prob,
                               ar_loss_weight=d.ar_loss_weight, ar_loss_on=d.ar_loss_on, decode=d.decode, chunk_tokens=d.loss_chunk_tokens,
-                              loss_on=d.loss_on, diffusion_loss_weight=d.diffusion_loss_weight)
+                              loss_on=d.loss_on, diffusion_loss_weight=d.diffusion_loss_weight,
+                              block_noise_prob=d.block_noise_prob, block_noise_size=d.block_noise_size)
 
 
 def build_train_data(cfg: Config, tokenizer):

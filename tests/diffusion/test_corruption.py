@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise, build_noise
+from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise, block_states, build_noise
 from dgemma.diffusion.schedules import CosineSchedule, LinearSchedule, get_schedule
 from dgemma.errors import DGemmaError
 
@@ -139,3 +139,19 @@ def test_constructors_and_registry():
         build_noise("gaussian", LinearSchedule())
     with pytest.raises(DGemmaError, match="bad arguments"):
         build_noise("uniform", LinearSchedule(), mask_token_id=3)
+
+
+def test_block_states_docstring_example_and_edges():
+    done, ahead = block_states(torch.ones(1, 8, dtype=torch.bool), torch.tensor([[0.5]]), 8, 2)
+    assert done.int().tolist() == [[1, 1, 1, 1, 0, 0, 0, 0]]
+    assert ahead.int().tolist() == [[0, 0, 0, 0, 0, 0, 1, 1]]
+    # two canvases: the first holds free positions in its first two blocks only, so u -> 1 picks block 1
+    free = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0] + [1] * 8]).bool()
+    done, ahead = block_states(free, torch.tensor([[0.99, 0.0]]), 8, 2)
+    assert done.int().tolist() == [[1, 1, 0, 0, 0, 0, 0, 0] + [0] * 8]
+    assert ahead.int().tolist() == [[0, 0, 0, 0, 1, 1, 1, 1] + [0, 0] + [1] * 6]
+    # a canvas with nothing free: all "done", which keeps it clean
+    done, ahead = block_states(torch.zeros(1, 8, dtype=torch.bool), torch.tensor([[0.3]]), 8, 2)
+    assert done.all() and not ahead.any()
+    with pytest.raises(ValueError, match="blocks of 3"):
+        block_states(torch.ones(1, 8, dtype=torch.bool), torch.zeros(1, 1), 8, 3)

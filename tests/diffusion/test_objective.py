@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dgemma.diffusion.objective as objective_mod
-from dgemma.diffusion.corruption import UniformNoise
+from dgemma.diffusion.corruption import AbsorbingNoise, UniformNoise
 from dgemma.diffusion.objective import DiffusionObjective, compact_valid, pick_canvases
 from dgemma.diffusion.sampler import CanvasSampler
 from dgemma.diffusion.schedules import LinearSchedule
@@ -265,3 +265,61 @@ def test_key_token_weights_scale_their_tokens_in_both_losses(decode):
                               (a_parts, plain.ar_sum, weighted.ar_sum)):
         torch.testing.assert_close(parts.sum(), total, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close((parts * w).sum(), got, rtol=1e-10, atol=1e-10)
+
+
+def test_block_noise_draws_the_states_a_block_sampler_visits():
+    """``block_noise_prob=1``: in every decoded canvas the blocks before one are clean, the blocks
+    after it fully masked, and every block holding an answer token is drawn; off, the draws are
+    exactly the i.i.d. ones."""
+    c, blk, n, b, mask = 8, 2, 2, 4, 1
+    g = torch.Generator().manual_seed(5)
+    batch = {"prompt_ids": torch.randint(2, V, (b, 3), generator=g), "prompt_valid": torch.ones(b, 3, dtype=torch.bool),
+             "canvas_ids": torch.randint(2, V, (b, n * c), generator=g),
+             "canvas_valid": torch.ones(b, n * c, dtype=torch.bool), "canvas_mask": torch.ones(b, n, dtype=torch.bool)}
+    batch["canvas_valid"][0, c + 3:] = False  # row 0's answer ends inside its second canvas's second block
+    hint = torch.full_like(batch["canvas_ids"], -1)
+    hint[1, 6] = batch["canvas_ids"][1, 6]  # one pinned token, in the last block of row 1's first canvas
+    batch["canvas_hint"] = hint
+    noise = AbsorbingNoise(mask, LinearSchedule())
+
+    def obj(p):
+        return DiffusionObjective(noise=noise, canvas_size=c, selfcond_prob=0.0, ar_loss_weight=0.0, decode="all",
+                                  loss_on="noised", block_noise_prob=p, block_noise_size=blk)
+
+    seen = set()
+    for seed in range(60):
+        plan = obj(1.0).plan(batch, torch.Generator().manual_seed(seed))
+        free = batch["canvas_valid"] & (hint < 0)
+        assert torch.equal(plan.xt[~free], plan.x0[~free])  # pinned and invalid positions stay clean
+        assert torch.equal(plan.target, (plan.xt != plan.x0))
+        masked = (plan.xt == mask).view(b, n, c // blk, blk)
+        for row in range(b):
+            for k in range(n):
+                blocks = masked[row, k]
+                fb = free.view(b, n, c // blk, blk)[row, k].any(-1)
+                touched = [j for j in range(c // blk) if blocks[j].any()]
+                cur = touched[0] if touched else None
+                if cur is None:
+                    continue  # the current block drew no mask at this t and nothing comes after it
+                assert not blocks[:cur].any()  # done: clean
+                later = free.view(b, n, c // blk, blk)[row, k, cur + 1:]
+                assert torch.equal(blocks[cur + 1:], later)  # ahead: every free position masked
+                assert fb[cur]
+                seen.add((row, k, cur))
+    assert {(0, 1, j) for j in range(c // blk)} & seen == {(0, 1, 0), (0, 1, 1)}  # never an empty block
+    assert {(2, 0, j) for j in range(c // blk)} <= seen  # each block of a full canvas is drawn
+
+    g0, g1 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    off, base = obj(0.0).plan(batch, g0), DiffusionObjective(
+        noise=noise, canvas_size=c, selfcond_prob=0.0, ar_loss_weight=0.0, decode="all", loss_on="noised").plan(batch, g1)
+    assert torch.equal(off.xt, base.xt) and torch.equal(g0.get_state(), g1.get_state())
+
+
+def test_block_noise_settings_are_checked():
+    from dgemma.training.config import DiffusionConfig
+    with pytest.raises(ValueError, match="block_noise_size"):
+        DiffusionConfig(canvas_size=32, block_noise_prob=0.5, block_noise_size=5)
+    with pytest.raises(ValueError, match="block_noise_prob"):
+        DiffusionConfig(block_noise_prob=1.5)
+    with pytest.raises(ValueError, match="block_noise_size"):
+        objective(block_noise_prob=0.5, block_noise_size=3)
