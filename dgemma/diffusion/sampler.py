@@ -112,8 +112,9 @@ class CanvasSampler:
     # outputs are the same with or without it.
     on_step: Callable[..., None] | None = None
     # the hook reads `argmax` at open positions (the playground's guesses). False: it reads only
-    # what the sampler emits, so the LM head may still run where the step reads (`argmax` is then
-    # stale at the positions it skipped; an emitted canvas never holds one of them)
+    # what the sampler emits, so the LM head may still run where the step reads; the hook then gets
+    # `argmax=None` (no stopping rule runs then, so a row ends only with every position committed
+    # or after the last step, and emits `tokens`)
     hook_reads_guesses: bool = True
 
     @property
@@ -250,7 +251,7 @@ class CanvasSampler:
                 selfcond = selfcond_signal(logits, temp if temp > 0 else 1.0, d.embed, state.tokens, open_)
             if self.on_step is not None:
                 self.on_step(canvas=k, step=i, t=float(grid[i]), rows=rows, tokens=state.tokens,
-                             committed=state.committed, argmax=argmax_ids(logits), done=done,
+                             committed=state.committed, argmax=None if narrow else argmax_ids(logits), done=done,
                              reused=reused)
             if d.traj is not None:
                 argmax = argmax_ids(logits)

@@ -24,11 +24,12 @@ from dgemma.diffusion.steps import CanvasState, EntropyBoundStep
 from dgemma.errors import DGemmaError
 
 
-def emitted_canvases(tokens: Tensor, committed: Tensor, argmax: Tensor, *, last: bool) -> Tensor:
+def emitted_canvases(tokens: Tensor, committed: Tensor, argmax: Tensor | None, *, last: bool) -> Tensor:
     """The canvases the sampler emits for rows that end at a step (its ``on_step`` arguments):
     the tokens after the schedule's last step or once every position is committed, the argmax
-    canvas on an early stop."""
-    if last:
+    canvas on an early stop. ``argmax`` is None when the LM head ran only where the step reads
+    (``CanvasSampler.hook_reads_guesses=False``): no row stops early then."""
+    if last or argmax is None:
         return tokens
     return torch.where(committed.all(-1, keepdim=True), tokens, argmax)
 

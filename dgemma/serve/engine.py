@@ -678,7 +678,8 @@ class Progress:
             self.canvas, self.forwards = canvas, self.forwards + 1  # the previous canvas's re-encode
         self.forwards += not reused  # a reused forward's logits cost no pass
         self.job.steps += 1
-        toks, com, guess = tokens[0].tolist(), committed[0].tolist(), argmax[0].tolist()
+        toks, com = tokens[0].tolist(), committed[0].tolist()
+        guess = toks if argmax is None else argmax[0].tolist()  # None: the sampler skipped the guesses
         self.canvas_committed = sum(com)
         pieces = [(x, True) if (c if self.commits else x == g) else (g, False) for x, c, g in zip(toks, com, guess)]
         emitted = (toks if step == self.num_steps - 1 else guess) if bool(done[0]) else None

@@ -366,6 +366,7 @@ def test_lm_head_where_the_step_reads_equals_everywhere(monkeypatch, rule, tempe
 
     def hook(narrow):  # what a streaming front-end reads: the canvases each step emits
         def on_step(*, canvas, step, rows, tokens, committed, argmax, done, **_):
+            assert (argmax is None) == narrow  # no argmax over stale logits when the hook reads no guesses
             emitted = emitted_canvases(tokens, committed, argmax, last=step == steps - 1)
             seen[narrow].append((canvas, step, rows, done.tolist(), emitted[done].tolist()))
         return on_step
