@@ -593,6 +593,8 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
     batches = ((1, questions[:sz["pubmedqa_b1"]]), (len(questions), questions))
     canvases = sz["pubmedqa_canvases"]  # None: the runs' own (--quick: one canvas)
     ar_tokens = ar.cfg.diffusion.canvas_size * (canvases or max_canvases(ar.cfg))
+    # what the run decodes with; a row that differs is named "no signal" (a model without the block has no signal)
+    default_signal = bool(e.self_condition) and diff.model.self_conditioning is not None
     result["settings"]["pubmedqa"] = {
         "workdir": str(diff.path.parent.parent), "checkpoint_step": diff.step, "ar_checkpoint_step": ar.step,
         "questions": len(questions), "batch1_questions": len(batches[0][1]),
@@ -600,7 +602,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         "dtype": str(next(diff.model.parameters()).dtype), "steps": list(sz["pubmedqa_steps"]),
         "lora": diff.lora, "ar_lora": ar.lora,  # merged into the weights (load_run's default) or peft-wrapped
         "sampler": f"the run's own ({e.step_type}, blocks of {e.commit_block}, temperature {e.temperature}, "
-                   f"self-conditioning {'on' if e.self_condition else 'off'}, no early stop: the shipped "
+                   f"self-conditioning {'on' if default_signal else 'off'}, no early stop: the shipped "
                    f"evaluations' setting); a self-conditioned run's rows again without the signal ('no signal')",
         "ar": f"greedy, our cache, at most {ar_tokens} tokens, the task's stop tokens",
     }
@@ -629,7 +631,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
             b, None)
 
     def diffusion_row(b: int, recs: list[dict], steps: int, signal: bool) -> None:
-        name = f"pubmedqa diffusion S={steps} b{b}" + ("" if signal == e.self_condition else " no signal")
+        name = f"pubmedqa diffusion S={steps} b{b}" + ("" if signal == default_signal else " no signal")
         base = ar_rows.get(b)  # a diffusion pass over the same questions costs about 4 AR passes at 32 steps
         est = 4.0 * base["seconds"] * steps / 32 if base else 0.0
         if not budget.allows(est):
@@ -647,7 +649,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         add(name, "diffusion", diff, harness.generate(diff, sampler, recs, batch_size=b, seed=e.seed), b, steps,
             signal)
 
-    signals = (True, False) if e.self_condition and diff.model.self_conditioning is not None else (False,)
+    signals = (True, False) if default_signal else (False,)
     for i, steps in enumerate(sz["pubmedqa_steps"]):  # the headline first: batch 1 at the most steps
         for b, recs in batches:
             if i == 0:
@@ -657,7 +659,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
     for b in sorted(ar_rows):
         for r in rows:
             if r["kind"] == "diffusion" and r["batch"] == b and r.get("vs_ar") is not None:
-                signal = "" if r["self_condition"] or len(signals) == 1 else " without the signal"
+                signal = "" if r["self_condition"] == default_signal else " without the signal"
                 add_ratio(result, f"pubmedqa diffusion S={r['steps']}{signal} vs AR fine-tune b{b} "
                                   f"(acc {r['accuracy']:.3f} vs {ar_rows[b]['accuracy']:.3f}, "
                                   f"BLEU {r['bleu']:.2f} vs {ar_rows[b]['bleu']:.2f})",

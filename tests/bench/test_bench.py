@@ -202,6 +202,22 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     gen = harness.generate_ar(ar_run, task, questions[:2], batch_size=2, max_new_tokens=32)
     assert task.score([ar_run.tokenizer.decode(t) for t in gen.tokens], gen.records)["accuracy"] == ar2["accuracy"]
     assert any(x["name"].startswith("pubmedqa diffusion S=2 vs AR fine-tune b2") for x in r["ratios"])
+    # a row and its ratio say "no signal" exactly when it decodes otherwise than the run does
+    default = signals[0]
+    for row in (x for x in rows if x["kind"] == "diffusion"):
+        assert row["name"].endswith(" no signal") == (row["self_condition"] != default)
+    named = [x["name"] for x in r["ratios"] if x["name"].startswith("pubmedqa diffusion")]
+    assert sum("without the signal" in n for n in named) == sum(
+        x["self_condition"] != default for x in rows if x["kind"] == "diffusion")
+    # a model without the block decodes with no signal: one row a setting, neither called "no signal"
+    diff_run.model.self_conditioning = None
+    ctx.sudoku_workdir = str(tmp_path / "none")
+    r2 = decode.run(ctx, pubmedqa_runs=(diff_run, ar_run, questions), adapted_only=True)
+    plain = [x for x in r2["rows"] if x["kind"] == "diffusion"]
+    assert [x["self_condition"] for x in plain] == [False, False]
+    assert not any(x["name"].endswith("no signal") for x in plain)
+    assert not any("without the signal" in x["name"] for x in r2["ratios"])
+    assert "self-conditioning off" in r2["settings"]["pubmedqa"]["sampler"]
     assert any("adapted PubMedQA" in t for t in r["tables"])
 
 
