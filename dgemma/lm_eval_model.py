@@ -74,7 +74,7 @@ from dgemma.models.masks import TokenInfo
 from dgemma.models.pretrained import load_pretrained
 from dgemma.models.selfcond import expected_embedding
 from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_defaults,
-                             max_canvases, resolve_logit_bias)
+                             max_canvases)
 from dgemma.tasks.sudoku import puzzle_hint
 from dgemma.training.runs import load_run
 from dgemma.training.trainer import derive_seed
@@ -127,7 +127,7 @@ class DGemmaLM(TemplateLM):
             defaults = {"steps": run_steps, "step_type": e.step_type, "temperature": e.temperature,
                         "early_stopping": None if run_rule == "none" else run_rule}
             self.entropy_threshold = e.entropy_threshold
-            self.logit_bias = resolve_logit_bias(e.logit_bias, r.tokenizer)  # generation only, not the ELBO
+            self.logit_bias = None  # the run's eval_ds.logit_bias, resolved once in run_settings (generation only)
             self.pin_clues = bool(r.cfg.data.pin_clues) if pin_clues is None else bool(pin_clues)
             if self.pin_clues and r.cfg.data.task != "sudoku":
                 raise DGemmaError(f"pin_clues is for Sudoku runs; this run's task is {r.cfg.data.task!r}")

@@ -87,8 +87,8 @@ def test_text_keys_resolve_to_single_tokens(tiny_text_model):
 
 
 def test_a_runs_bias_is_its_default_everywhere(tiny_run, tmp_path):
-    """``eval_ds.logit_bias`` in a run's config reaches ``dgemma.load_model`` (generate, serve) and
-    the evaluators, which record it; +100 on the digit 5 fills every blank with 5."""
+    """``eval_ds.logit_bias`` in a run's config reaches ``dgemma.load_model`` (generate, serve),
+    the lm-eval model and the evaluators, which record it; +100 on the digit 5 fills every blank with 5."""
     import dgemma
     from dgemma.eval.harness import evaluate
     from dgemma.training.runs import load_run
@@ -106,6 +106,10 @@ def test_a_runs_bias_is_its_default_everywhere(tiny_run, tmp_path):
     res = evaluate(run, "sudoku", eval_name="sample_ar_steps8", num_steps=8, step_type="commit", temperature=0.0,
                    early_stopping=None, records=run_records(run, 2), out_dir=tmp_path / "ev", ar_max_tokens=0)
     assert res["settings"]["logit_bias"] == {"5": 100.0}
+    from dgemma.lm_eval_model import DGemmaLM  # the lm-eval model decodes with it too
+
+    lm = DGemmaLM(run=str(run_dir), device="cpu")
+    assert lm._settings_for(0.0, 1.0, 1).logit_bias == m.defaults.logit_bias
 
 
 def run_records(run, n):
