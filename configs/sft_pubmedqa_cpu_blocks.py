@@ -11,7 +11,9 @@ of 1.7 tokens a pass; at 8 steps, one whole block a pass, a fifth of its verdict
 Result (2026-12-06, the AMX Xeon, 39 minutes): measured, not shipped. Tokens a pass did not move
 (1.70 / 3.28 / 5.44 at 16 / 8 / 4 steps on 32 test questions, against 1.71 / 3.30 / 5.66), and the
 8- and 4-step verdicts did not parse more often. The verdict left the "yes" prior (261 yes / 231 no
-on the 500 test questions at 16 steps): 51.8%, under the 55.2% majority. Tables:
+on the 500 test questions at 16 steps): 51.8%, under the 55.2% majority. The i.i.d. control
+(``--cfg.diffusion.block_noise_prob=0``) decoded the 500 verdicts at 8 steps with 1 unparsed (54.0%),
+against 68 with block noise and 102 before the stage. Tables:
 checkpoints/pubmedqa_270m/sweep_2026-12-05.md, "After midnight".
 
 Deviations from ``configs/sft_pubmedqa_cpu.py``, each with its reason:
