@@ -46,6 +46,7 @@ class SamplerConfig:
     commit_block: int | None = None  # commit step: semi-autoregressive sub-blocks of this many positions
     commit_order: str | None = None  # commit step: rank positions by confidence or margin (default confidence)
     commit_stable_first: bool | None = None  # commit step: positions whose confidence rose rank first (default True)
+    commit_no_repeat: bool | None = None  # commit step: no token equal to its left neighbour's (default False)
     entropy_bound: float | None = None  # entropy_bound step: the bound on the accepted entropies (default 0.1)
     entropy_t_max: float | None = None  # entropy_bound step: its temperature at t = 1 (default 0.8)
     entropy_t_min: float | None = None  # entropy_bound step: its temperature as t -> 0 (default 0.4)
@@ -88,6 +89,7 @@ def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
                          max_canvases=max_canvases(cfg), min_stop_prob=e.min_stop_prob,
                          confidence_threshold=e.confidence_threshold, commit_block=e.commit_block,
                          commit_order=e.commit_order, commit_stable_first=e.commit_stable_first,
+                         commit_no_repeat=e.commit_no_repeat,
                          entropy_bound=e.entropy_bound, stability_threshold=e.stability_threshold,
                          stop_confidence_threshold=e.stop_confidence_threshold, stop_alias_cos=e.stop_alias_cos,
                          logit_bias=resolve_logit_bias(e.logit_bias, tokenizer), self_condition=e.self_condition)
@@ -123,7 +125,7 @@ def resolve_logit_bias(bias: dict[str, float] | None, tokenizer) -> dict[int, fl
 
 
 RULE_DEFAULTS = SamplerConfig(entropy_threshold=0.05, min_stop_prob=0.0, confidence_threshold=0.9, entropy_bound=0.1,
-                              commit_order="confidence", commit_stable_first=True,
+                              commit_order="confidence", commit_stable_first=True, commit_no_repeat=False,
                               stability_threshold=1, stop_confidence_threshold=0.005, top_p=1.0,
                               entropy_t_max=0.8, entropy_t_min=0.4, self_condition=True)
 """The step and stopping rules' own defaults (those of their constructors)."""

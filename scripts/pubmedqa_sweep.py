@@ -33,6 +33,9 @@ VARIANTS = [("S=32 block 4", "commit", 32, {}), ("S=16 block 4", "commit", 16, {
             ("S=8 block 4, confidence only", "commit", 8, {"commit_stable_first": False}),
             ("S=4 block 4", "commit", 4, {})]
 VARIANTS += [(f"S={n} block 4, no self-conditioning", "commit", n, {"self_condition": False}) for n in (32, 16, 8, 4)]
+VARIANTS += [(f"S={n} block 4, no repeat", "commit", n, {"commit_no_repeat": True}) for n in (16, 8, 4)]
+VARIANTS += [(f"S={n} block 4, no repeat, no self-conditioning", "commit", n,
+              {"commit_no_repeat": True, "self_condition": False}) for n in (16, 8, 4)]
 VARIANTS += [(f"p>{p} block {b or 'none'}, S<=32", "confidence", 32, {"confidence_threshold": p, "commit_block": b})
              for p, b in [(0.9, 4), (0.7, 4), (0.5, 4), (0.3, 4), (0.9, 8), (0.7, 8), (0.9, None)]]
 

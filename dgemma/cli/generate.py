@@ -51,6 +51,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-self-condition", dest="self_condition", action="store_false", default=None,
                    help="feed every step the zero self-conditioning signal "
                         "(faster; docs/concepts/self-conditioning.md)")
+    p.add_argument("--no-repeat", dest="no_repeat", action="store_true", default=None,
+                   help="commit step: no token equal to its left neighbour's, the runner-up instead "
+                        "(docs/concepts/samplers.md)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -120,7 +123,7 @@ def run(argv: list[str]) -> int:
         print("[dgemma] " + UNTRAINED_WARNING.format(src=source), file=sys.stderr)
     settings = model.settings(SamplerConfig(num_steps=args.steps, step_type=args.step_type, temperature=args.temperature,
                                             early_stopping=args.early_stopping, max_canvases=args.canvases,
-                                            self_condition=args.self_condition))
+                                            self_condition=args.self_condition, commit_no_repeat=args.no_repeat))
     outputs = model.generate(records, settings, batch_size=args.batch_size, seed=args.seed)
     out = open(args.out, "w", encoding="utf-8") if args.out else None
     try:

@@ -335,6 +335,13 @@ class CommitStep(StepRule):
     ranking by confidence alone solved more hard boards (checkpoints/sudoku_deep/README.md).
     Example: confidences (0.9, 0.8) after (0.95, 0.7) commit position 1 first with the key (its
     confidence rose), position 0 without it.
+
+    ``no_repeat=True`` commits no token equal to its left neighbour's: where it would, the position
+    takes its runner-up (:func:`swap_repeats`). Positions committed in one pass are predicted
+    apart, each from the same masked right-hand side, so a block of 4 often reads "the the"; the
+    runner-up is the model's next guess for a position whose neighbour already says "the". It
+    costs no pass (checkpoints/pubmedqa_270m/README.md, 2026-12-06). A repeat the text needs
+    ("had had") is lost too; the tokens after a stop token, which may repeat it, are cut anyway.
     """
 
     commits = True  # committed positions are final: the sampler skips their vocabulary work
@@ -354,10 +361,11 @@ class CommitStep(StepRule):
     @classmethod
     def from_settings(cls, settings, noise) -> "CommitStep":
         return cls(noise, temperature=settings.temperature, block=settings.commit_block, order=settings.commit_order,
-                   stable_first=settings.commit_stable_first)
+                   stable_first=settings.commit_stable_first, no_repeat=settings.commit_no_repeat)
 
     def __init__(self, noise: NoiseProcess, schedule: Schedule | None = None, temperature: float = 0.0,
-                 block: int | None = None, order: str = "confidence", stable_first: bool = True):
+                 block: int | None = None, order: str = "confidence", stable_first: bool = True,
+                 no_repeat: bool = False):
         if block is not None and block < 1:
             raise DGemmaError(f"commit block must be >= 1 positions, got {block}")
         if order not in self.ORDERS:
@@ -368,6 +376,7 @@ class CommitStep(StepRule):
         self.block = block
         self.order = order
         self.stable_first = stable_first
+        self.no_repeat = no_repeat
 
     def __call__(
         self, state: CanvasState, logits: Tensor, t: float, s: float, *, generator: torch.Generator, is_last: bool
@@ -375,6 +384,7 @@ class CommitStep(StepRule):
         pred, conf = predict(logits, self.temperature, generator, state)
         open_ = ~state.committed
         if is_last:
+            pred = swap_repeats(logits, pred, open_, state.committed) if self.no_repeat else pred
             return _renoise(state, self.noise, pred, conf, open_, generator)
         n_new = (self._target(state, s) - state.committed.sum(-1)).clamp_min(0)
         score = (conf if self.order == "confidence" else _margin(logits, pred)).double()
@@ -385,6 +395,8 @@ class CommitStep(StepRule):
         if self.block:
             score = score.masked_fill(~_leftmost_blocks(open_, n_new, self.block), -math.inf)
         new = _top_k_per_row(score, n_new) & open_
+        if self.no_repeat:
+            pred = swap_repeats(logits, pred, new, state.committed)
         return _renoise(state, self.noise, pred, conf, new, generator)
 
     def _target(self, state: CanvasState, s: float) -> Tensor:
@@ -409,6 +421,30 @@ class CommitStep(StepRule):
         n_next = 0 if s_next is None or not self.stable_first else \
             (self._target(state, s_next) - committed - n_now).clamp_min(0)
         return _leftmost_blocks(~state.committed, n_now + n_next, self.block)
+
+
+def swap_repeats(logits: Tensor, pred: Tensor, new: Tensor, committed: Tensor) -> Tensor:
+    """``pred [B, C]`` with no ``new`` position repeating its left neighbour's token (the neighbour
+    committed, or new in the same pass): left to right, such a position takes the likeliest token
+    under ``logits [B, C, V]`` other than its neighbour's, which then is final for the next one.
+
+    Example, position 0 committed, 1-3 new, ``pred = [7 7 7 2]``, each new position's two likeliest
+    tokens ``(7, 4)``, ``(7, 5)``, ``(2, 6)`` -> ``[7 4 7 2]``: position 1 repeated the committed 7;
+    position 2 no longer repeats the swapped-in 4. ``[7 2 2 2]`` with ``(2, 6)`` everywhere -> ``[7 2 6 2]``.
+
+    Scans the rows on the host (the ranks of a handful of rows are all it computes).
+    """
+    if pred.shape[-1] < 2:
+        return pred
+    toks, free, settled = pred.tolist(), new.tolist(), (new | committed).tolist()
+    swapped = False
+    for b, row in enumerate(toks):
+        for i in range(1, len(row)):
+            if free[b][i] and settled[b][i - 1] and row[i] == row[i - 1]:
+                first, second = logits[b, i].float().topk(2).indices.tolist()
+                row[i] = second if first == row[i - 1] else first
+                swapped = True
+    return torch.tensor(toks, dtype=pred.dtype, device=pred.device) if swapped else pred
 
 
 def _margin(logits: Tensor, pred: Tensor) -> Tensor:

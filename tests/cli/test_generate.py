@@ -33,9 +33,11 @@ def test_run_prompts_jsonl_and_seed(tiny_run, tmp_path):
     assert all(x["settings"]["self_condition"] is True for x in rows)  # the run's default
     plain = tmp_path / "plain.jsonl"
     r = cli("--checkpoint", str(tiny_run), "--file", str(prompts), "--out", str(plain), "--steps", "4",
-            "--no-self-condition")
+            "--no-self-condition", "--no-repeat")
     assert r.returncode == 0, r.stderr[-2000:]
     assert all(json.loads(x)["settings"]["self_condition"] is False for x in plain.read_text().splitlines())
+    assert all(json.loads(x)["settings"]["commit_no_repeat"] is True for x in plain.read_text().splitlines())
+    assert all(x["settings"]["commit_no_repeat"] is False for x in rows)  # the run's default
 
 
 def test_unadapted_base_warns(tiny_text_model):

@@ -14,6 +14,7 @@ from dgemma.diffusion.steps import (
     DDIMStep,
     build_step,
     predict,
+    swap_repeats,
 )
 from dgemma.errors import DGemmaError
 
@@ -241,6 +242,47 @@ def test_commit_without_stable_first_ranks_by_confidence_alone():
     alone = CommitStep(noise, stable_first=False)(state, logits, 1.0, 0.5, **kw)
     assert alone.committed.tolist() == [[True, False]]
     assert alone.tokens[0, 0].item() == 0
+
+
+def _two_choices(first, second, vocab=10):
+    """``[1, C, V]`` logits whose likeliest token is ``first[i]`` and second likeliest ``second[i]``."""
+    logits = torch.zeros(1, len(first), vocab)
+    for i, (a, b) in enumerate(zip(first, second)):
+        logits[0, i, a], logits[0, i, b] = 5.0, 3.0
+    return logits
+
+
+def test_swap_repeats_docstring_examples():
+    committed = torch.tensor([[True, False, False, False]])
+    new = ~committed
+    logits = _two_choices([7, 7, 7, 2], [0, 4, 5, 6])
+    assert swap_repeats(logits, torch.tensor([[7, 7, 7, 2]]), new, committed).tolist() == [[7, 4, 7, 2]]
+    same = _two_choices([2, 2, 2, 2], [6, 6, 6, 6])
+    assert swap_repeats(same, torch.tensor([[7, 2, 2, 2]]), new, committed).tolist() == [[7, 2, 6, 2]]
+    # a position not committed at this step is left alone, and so is one whose left neighbour is still open
+    new2 = torch.tensor([[False, True, False, True]])
+    assert swap_repeats(logits, torch.tensor([[7, 7, 7, 7]]), new2, committed).tolist() == [[7, 4, 7, 7]]
+    pred = torch.tensor([[7, 3, 5, 8]])
+    assert swap_repeats(logits, pred, new, committed) is pred  # nothing repeats: the same tensor back
+
+
+def test_commit_no_repeat_swaps_in_the_runner_up_and_nothing_else():
+    """A block of 4 committed in one pass, predicted (7, 7, 7, 2): without the rule the canvas
+    reads 7 7 7 2; with it each repeat takes its runner-up, and which positions commit does not change."""
+    noise = AbsorbingNoise(MASK, LinearSchedule())
+    logits = _two_choices([7, 7, 7, 2, 2, 2, 2, 2], [1, 4, 5, 6, 6, 6, 6, 6])
+    state = CanvasState.from_noise(noise, 1, 8, generator=gen())
+    kw = dict(generator=gen(), is_last=False)
+    plain = CommitStep(noise, block=4)(state, logits, 1.0, 0.5, **kw)  # 4 of 8: the first block
+    swapped = CommitStep(noise, block=4, no_repeat=True)(state, logits, 1.0, 0.5, **kw)
+    assert plain.tokens[0, :4].tolist() == [7, 7, 7, 2]
+    assert swapped.tokens[0, :4].tolist() == [7, 4, 7, 2]  # 1 -> 4; then 2 no longer repeats its neighbour
+    assert torch.equal(plain.committed, swapped.committed)
+    assert (swapped.tokens[0, 4:] == MASK).all()
+    last = CommitStep(noise, block=4, no_repeat=True)(swapped, logits, 0.5, 0.0, generator=gen(), is_last=True)
+    assert last.tokens[0].tolist() == [7, 4, 7, 2, 6, 2, 6, 2]  # the last step's commits follow the rule too
+    assert CommitStep(noise, block=4)(plain, logits, 0.5, 0.0, generator=gen(), is_last=True).tokens[0].tolist() \
+        == [7, 7, 7, 2, 2, 2, 2, 2]
 
 
 # ---- confidence -------------------------------------------------------------------------------

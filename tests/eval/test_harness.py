@@ -304,7 +304,10 @@ def test_rule_settings_reach_step_and_stopping_rule(workdir, tmp_path):
     assert margin["step_args"]["order"] == "margin" and margin["step_args"]["stable_first"] is True
     _, alone = harness.build_sampler(load(workdir, "--cfg.eval_ds.commit_stable_first=false"), task, num_steps=2,
                                      step_type="commit", temperature=0.0, early_stopping=None)
-    assert alone["step_args"]["stable_first"] is False
+    assert alone["step_args"]["stable_first"] is False and alone["step_args"]["no_repeat"] is False
+    _, norep = harness.build_sampler(load(workdir, "--cfg.eval_ds.commit_no_repeat=true"), task, num_steps=2,
+                                     step_type="commit", temperature=0.0, early_stopping=None)
+    assert norep["step_args"]["no_repeat"] is True
     assert margin["self_condition"] is True
     plain, settings = harness.build_sampler(load(workdir, "--cfg.eval_ds.self_condition=false"), task, num_steps=2,
                                             step_type="commit", temperature=0.0, early_stopping=None)

@@ -140,10 +140,12 @@ def test_a_run_generates_with_its_own_eval_settings(tiny_run, tmp_path):
     work = tmp_path / "run"
     shutil.copytree(tiny_run, work)
     raw = json.loads((work / "config.json").read_text())
-    raw["eval_ds"].update(commit_block=3, commit_stable_first=False, self_condition=False, confidence_threshold=0.8)
+    raw["eval_ds"].update(commit_block=3, commit_stable_first=False, self_condition=False, confidence_threshold=0.8,
+                          commit_no_repeat=True)
     (work / "config.json").write_text(json.dumps(raw))
     got = DGemmaLM(run=str(work), step_type="commit", steps=3)._settings_for(0.0, 1.0, 1)
     assert (got.commit_block, got.commit_stable_first, got.self_condition, got.num_steps) == (3, False, False, 3)
+    assert got.commit_no_repeat is True
     assert DGemmaLM(run=str(work), step_type="confidence")._settings_for(0.0, 1.0, 1).confidence_threshold == 0.8
     lm = DGemmaLM(run=str(work), step_type="confidence", threshold=0.5)
     assert lm._settings_for(0.0, 1.0, 2).confidence_threshold == 0.5 and lm._settings_for(0.0, 1.0, 2).max_canvases == 2

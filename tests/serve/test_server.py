@@ -94,7 +94,8 @@ def test_a_run_decodes_with_its_own_eval_settings(tiny_run_sc, tmp_path):
     work = tmp_path / "run"
     shutil.copytree(tiny_run_sc, work)
     raw = json.loads((work / "config.json").read_text())
-    raw["eval_ds"].update(commit_block=3, commit_stable_first=False, self_condition=False, confidence_threshold=0.8)
+    raw["eval_ds"].update(commit_block=3, commit_stable_first=False, self_condition=False, confidence_threshold=0.8,
+                          commit_no_repeat=True)
     (work / "config.json").write_text(json.dumps(raw))
     cfg, limits = load_config(str(work / "config.json")), Limits()
     run = load_run(work, device="cpu")
@@ -102,6 +103,7 @@ def test_a_run_decodes_with_its_own_eval_settings(tiny_run_sc, tmp_path):
     plan = make_plan(engine, SampleParams(step_type="commit", num_steps=3), [2, 5, 6], limits)
     sampler = plan_sampler(engine, plan, on_step=None)
     assert (sampler.step.block, sampler.step.stable_first, sampler.self_condition) == (3, False, False)
+    assert sampler.step.no_repeat is True
     assert plan.settings["commit_block"] == 3 and plan.settings["self_condition"] is False
     plan = make_plan(engine, SampleParams(step_type="confidence", num_steps=3), [2, 5, 6], limits)
     assert plan_sampler(engine, plan, on_step=None).step.threshold == 0.8  # the run's, not 0.9
