@@ -46,7 +46,7 @@ class SamplerConfig:
     commit_block: int | None = None  # commit step: semi-autoregressive sub-blocks of this many positions
     commit_order: str | None = None  # commit step: rank positions by confidence or margin (default confidence)
     commit_stable_first: bool | None = None  # commit step: positions whose confidence rose rank first (default True)
-    commit_no_repeat: bool | None = None  # commit step: no token equal to its left neighbour's (default False)
+    commit_no_repeat: bool | None = None  # commit step: no token equal to a neighbour's (default False)
     entropy_bound: float | None = None  # entropy_bound step: the bound on the accepted entropies (default 0.1)
     entropy_t_max: float | None = None  # entropy_bound step: its temperature at t = 1 (default 0.8)
     entropy_t_min: float | None = None  # entropy_bound step: its temperature as t -> 0 (default 0.4)

@@ -52,7 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="feed every step the zero self-conditioning signal "
                         "(faster; docs/concepts/self-conditioning.md)")
     p.add_argument("--no-repeat", dest="no_repeat", action="store_true", default=None,
-                   help="commit step: no token equal to its left neighbour's, the runner-up instead "
+                   help="commit step: no token equal to a neighbour's, the runner-up instead "
                         "(docs/concepts/samplers.md)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

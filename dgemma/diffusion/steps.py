@@ -336,8 +336,8 @@ class CommitStep(StepRule):
     Example: confidences (0.9, 0.8) after (0.95, 0.7) commit position 1 first with the key (its
     confidence rose), position 0 without it.
 
-    ``no_repeat=True`` commits no token equal to its left neighbour's: where it would, the position
-    takes its runner-up (:func:`swap_repeats`). Positions committed in one pass are predicted
+    ``no_repeat=True`` commits no token equal to a neighbour's: where it would, the position takes
+    its runner-up (:func:`swap_repeats`). Positions committed in one pass are predicted
     apart, each from the same masked right-hand side, so a block of 4 often reads "the the"; the
     runner-up is the model's next guess for a position whose neighbour already says "the". It
     costs no pass (checkpoints/pubmedqa_270m/README.md, 2026-12-06). A repeat the text needs
@@ -384,7 +384,7 @@ class CommitStep(StepRule):
         pred, conf = predict(logits, self.temperature, generator, state)
         open_ = ~state.committed
         if is_last:
-            pred = swap_repeats(logits, pred, open_, state.committed) if self.no_repeat else pred
+            pred = self._swap(logits, pred, open_, state)
             return _renoise(state, self.noise, pred, conf, open_, generator)
         n_new = (self._target(state, s) - state.committed.sum(-1)).clamp_min(0)
         score = (conf if self.order == "confidence" else _margin(logits, pred)).double()
@@ -395,9 +395,13 @@ class CommitStep(StepRule):
         if self.block:
             score = score.masked_fill(~_leftmost_blocks(open_, n_new, self.block), -math.inf)
         new = _top_k_per_row(score, n_new) & open_
-        if self.no_repeat:
-            pred = swap_repeats(logits, pred, new, state.committed)
-        return _renoise(state, self.noise, pred, conf, new, generator)
+        return _renoise(state, self.noise, self._swap(logits, pred, new, state), conf, new, generator)
+
+    def _swap(self, logits: Tensor, pred: Tensor, new: Tensor, state: CanvasState) -> Tensor:
+        """``pred`` under the no-repeat rule (committed positions read as their committed tokens)."""
+        if not self.no_repeat:
+            return pred
+        return swap_repeats(logits, torch.where(state.committed, state.tokens, pred), new, state.committed)
 
     def _target(self, state: CanvasState, s: float) -> Tensor:
         """``[B]`` committed positions due at time ``s``: the pinned ones and ``ceil(alpha(s))`` of the free."""
@@ -424,25 +428,31 @@ class CommitStep(StepRule):
 
 
 def swap_repeats(logits: Tensor, pred: Tensor, new: Tensor, committed: Tensor) -> Tensor:
-    """``pred [B, C]`` with no ``new`` position repeating its left neighbour's token (the neighbour
-    committed, or new in the same pass): left to right, such a position takes the likeliest token
-    under ``logits [B, C, V]`` other than its neighbour's, which then is final for the next one.
+    """``pred [B, C]`` with no ``new`` position holding a neighbour's token. Scanning left to right,
+    a new position whose token equals its left neighbour's (committed, or new and already scanned)
+    or its right neighbour's (committed at an earlier step) takes the likeliest token under
+    ``logits [B, C, V]`` that equals neither. ``pred`` holds the committed tokens at committed positions.
 
     Example, position 0 committed, 1-3 new, ``pred = [7 7 7 2]``, each new position's two likeliest
     tokens ``(7, 4)``, ``(7, 5)``, ``(2, 6)`` -> ``[7 4 7 2]``: position 1 repeated the committed 7;
-    position 2 no longer repeats the swapped-in 4. ``[7 2 2 2]`` with ``(2, 6)`` everywhere -> ``[7 2 6 2]``.
+    position 2 no longer repeats the swapped-in 4. ``[7 2 2 2]`` with ``(2, 6)`` everywhere ->
+    ``[7 2 6 2]``. Position 3 committed instead, ``[7 2 2 2]`` -> ``[7 2 6 2]`` as well: position 2
+    then also avoids the 2 on its right.
 
     Scans the rows on the host (the ranks of a handful of rows are all it computes).
     """
-    if pred.shape[-1] < 2:
-        return pred
-    toks, free, settled = pred.tolist(), new.tolist(), (new | committed).tolist()
+    toks, free, done = pred.tolist(), new.tolist(), committed.tolist()
     swapped = False
     for b, row in enumerate(toks):
-        for i in range(1, len(row)):
-            if free[b][i] and settled[b][i - 1] and row[i] == row[i - 1]:
-                first, second = logits[b, i].float().topk(2).indices.tolist()
-                row[i] = second if first == row[i - 1] else first
+        for i in range(len(row)):
+            if not free[b][i]:
+                continue
+            banned = {row[i - 1]} if i > 0 and (free[b][i - 1] or done[b][i - 1]) else set()
+            if i + 1 < len(row) and done[b][i + 1]:
+                banned.add(row[i + 1])
+            if row[i] in banned:
+                ranked = logits[b, i].float().topk(min(3, logits.shape[-1])).indices.tolist()
+                row[i] = next((x for x in ranked if x not in banned), row[i])
                 swapped = True
     return torch.tensor(toks, dtype=pred.dtype, device=pred.device) if swapped else pred
 

@@ -517,6 +517,7 @@ class SampleParams(BaseModel):
     early_stopping: str | None = None  # none | entropy | stable_confident
     threshold: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)  # the confidence step's
     self_condition: bool | None = None  # False: every step gets the zero self-conditioning signal (faster)
+    no_repeat: bool | None = None  # commit step: no token equal to a neighbour's (eval_ds.commit_no_repeat)
     delay_ms: int = Field(0, ge=0)  # slow motion: a pause after every step, for watching
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
@@ -616,12 +617,15 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
                                 confidence_threshold=threshold, logit_bias={})
     if req.self_condition is not None:
         sampler = replace(sampler, self_condition=req.self_condition)
+    if req.no_repeat is not None:
+        sampler = replace(sampler, commit_no_repeat=req.no_repeat)
     build_rules(sampler, engine.noise)  # bad settings fail here, before a job starts
     seed = random.randrange(2**31) if req.seed is None else req.seed
     settings = {"step_type": step_type, "num_steps": num_steps, "temperature": temperature, "early_stopping": rule,
                 "threshold": threshold, "max_canvases": n_canvas, "canvas_size": info.canvas_size,
                 "seed": seed, "delay_ms": req.delay_ms, "prompt_tokens": len(prompt_ids),
                 "commit_block": sampler.commit_block,
+                "no_repeat": bool(sampler.resolved().commit_no_repeat) if step_type == "commit" else None,
                 "self_condition": (sampler.resolved().self_condition
                                    if engine.model.self_conditioning is not None else None),
                 "logit_bias": info.cfg.eval_ds.logit_bias if info.cfg is not None else None}

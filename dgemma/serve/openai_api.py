@@ -15,7 +15,8 @@ times in one batch, choice ``i`` from its own stream seeded by ``(seed, i)``, so
 gives the same choices and the first of ``n`` is the answer of ``n = 1``; ``seed`` (unset: a
 random one, reported in the response's ``dgemma.seed``). Diffusion settings are extra body
 fields (``extra_body`` in the openai client): ``steps``, ``step_type``, ``early_stopping``,
-``threshold`` and ``self_condition``; unset ones take the model's defaults, as in the playground. Anything a
+``threshold``, ``self_condition`` and ``no_repeat`` (the commit step's rule against repeated
+neighbours, ``eval_ds.commit_no_repeat``); unset ones take the model's defaults, as in the playground. Anything a
 diffusion sampler cannot do (``logprobs``, ``echo``, ``best_of``, ``suffix``, penalties,
 tools, a JSON ``response_format``) is refused with a 400 that names the parameter; an unknown
 parameter too. ``logit_bias`` (token id -> bias in [-100, 100]) is added to those logits at
@@ -97,6 +98,7 @@ class _Sampling(BaseModel):
     early_stopping: str | None = None
     threshold: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     self_condition: bool | None = None  # False: every step gets the zero self-conditioning signal (faster)
+    no_repeat: bool | None = None  # commit step: no token equal to a neighbour's (eval_ds.commit_no_repeat)
     # refused unless neutral (see refuse_unsupported)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -319,7 +321,7 @@ def build_plan(engine: Engine, req: _Sampling, prompt_ids: list[int], limits, *,
         raise ServeError(f"n {req.n} is over the limit of {limits.max_choices}", 400, param="n")
     params = SampleParams(step_type=req.step_type, num_steps=req.steps, temperature=req.temperature,
                           early_stopping=req.early_stopping, threshold=req.threshold, seed=req.seed,
-                          self_condition=req.self_condition)
+                          self_condition=req.self_condition, no_repeat=req.no_repeat)
     try:
         plan = make_plan(engine, params, prompt_ids, limits, math.ceil(max_tokens / c))
     except DGemmaError as e:

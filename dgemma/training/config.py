@@ -208,7 +208,7 @@ class EvalConfig:
     commit_block: int | None = None  # commit step: semi-autoregressive sub-blocks of this many positions
     commit_order: Literal["confidence", "margin"] = "confidence"  # commit step: rank by p, or by p - runner-up's p
     commit_stable_first: bool = True  # commit step: a position whose p rose at the last step ranks first
-    commit_no_repeat: bool = False  # commit step: a token equal to its left neighbour's gives way to the runner-up
+    commit_no_repeat: bool = False  # commit step: a token equal to a neighbour's gives way to the runner-up
     entropy_bound: float = 0.1  # entropy_bound step: bound on the accepted positions' entropies (nats)
     stability_threshold: int = 1  # stable_confident stopping: steps the argmax canvas must stay unchanged
     stop_confidence_threshold: float = 0.005  # stable_confident stopping: mean entropy below this (nats)

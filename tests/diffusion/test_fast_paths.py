@@ -327,7 +327,7 @@ class _ReadsAll(CommitStep):
 
 @pytest.mark.parametrize("steps", [4, 6])  # 3 or 2 commits a step in blocks of 4
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-@pytest.mark.parametrize("rule", ["commit", "commit_no_stable", "commit_margin", "confidence"])
+@pytest.mark.parametrize("rule", ["commit", "commit_no_stable", "commit_margin", "commit_no_repeat", "confidence"])
 def test_lm_head_where_the_step_reads_equals_everywhere(monkeypatch, rule, temperature, steps):
     """Without self-conditioning, the LM head runs on the positions the step reads (Step.reads)
     only; the tokens and passes equal those of a sampler that runs it on every open position (fp64;
@@ -351,7 +351,7 @@ def test_lm_head_where_the_step_reads_equals_everywhere(monkeypatch, rule, tempe
                 s.reads = lambda *a, **k: None
             return s
         kw = {"stable_first": rule != "commit_no_stable",
-              "order": "margin" if rule == "commit_margin" else "confidence"}
+              "order": "margin" if rule == "commit_margin" else "confidence", "no_repeat": rule == "commit_no_repeat"}
         return (CommitStep if narrow else _ReadsAll)(noise, temperature=temperature, block=4, **kw)
 
     calls = []
@@ -383,6 +383,35 @@ def test_lm_head_where_the_step_reads_equals_everywhere(monkeypatch, rule, tempe
     assert seen[True] == seen[False]  # the hook saw the same rows end with the same canvases
     assert sum(n for _, n in out[True][1]) < sum(n for _, n in out[False][1])  # fewer rows through the head
     assert 7 in fast.tokens[2] and len(fast.tokens[2]) <= 9  # cut at the pinned stop token
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_no_repeat_leaves_no_free_position_equal_to_its_left_neighbour(temperature):
+    """The sampler with ``CommitStep(no_repeat=True)``: inside each canvas, up to the first stop
+    token, no two neighbours hold the same token unless both were pinned (commits in blocks at two
+    steps a canvas, so a position can commit after its right neighbour); without the rule the same
+    model and seed write such repeats."""
+    model = tiny(self_conditioning=True)
+    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
+    width = 8
+    prompt = torch.randint(2, V, (8, 5), generator=torch.Generator().manual_seed(2))
+    valid = torch.ones(8, 5, dtype=torch.bool)
+    hints = torch.full((8, 2 * width), -1)
+    hints[0, 3] = 9
+
+    def repeats(no_repeat: bool) -> int:
+        s = CanvasSampler(noise=noise, step=CommitStep(noise, temperature=temperature, block=4, no_repeat=no_repeat),
+                          num_steps=2, canvas_size=width, max_canvases=2, stop_ids=(7,))
+        out = s(model, prompt, valid, generator=torch.Generator().manual_seed(0), hints=hints)
+        n = 0
+        for r, toks in enumerate(out.tokens):
+            for i in range(1, len(toks)):
+                if i % width and toks[i] == toks[i - 1] and min(int(hints[r, i]), int(hints[r, i - 1])) < 0:
+                    n += 1
+        return n
+
+    assert repeats(True) == 0
+    assert repeats(False) > 0
 
 
 def test_commit_reads_literal_example():

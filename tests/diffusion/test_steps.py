@@ -264,6 +264,11 @@ def test_swap_repeats_docstring_examples():
     assert swap_repeats(logits, torch.tensor([[7, 7, 7, 7]]), new2, committed).tolist() == [[7, 4, 7, 7]]
     pred = torch.tensor([[7, 3, 5, 8]])
     assert swap_repeats(logits, pred, new, committed) is pred  # nothing repeats: the same tensor back
+    # position 3 committed earlier: position 2 also avoids the 2 on its right
+    right = torch.tensor([[True, False, False, True]])
+    assert swap_repeats(same, torch.tensor([[7, 2, 2, 2]]), ~right, right).tolist() == [[7, 2, 6, 2]]
+    both = _two_choices([2, 2, 2, 2], [5, 5, 5, 5]).index_fill_(-1, torch.tensor([6]), 2.0)  # third choice 6
+    assert swap_repeats(both, torch.tensor([[5, 2, 5, 5]]), ~right, right).tolist() == [[5, 2, 6, 5]]
 
 
 def test_commit_no_repeat_swaps_in_the_runner_up_and_nothing_else():

@@ -142,6 +142,10 @@ def test_self_condition_is_a_request_setting(client, tiny_run_sc, live_server):
     plain = sc.completions.create(model="tiny_sudoku_sc", prompt=puzzle, extra_body={"steps": 4})
     off = sc.completions.create(model="tiny_sudoku_sc", prompt=puzzle, extra_body={"steps": 4, "self_condition": False})
     assert plain.dgemma["self_condition"] is True and off.dgemma["self_condition"] is False
+    norep = sc.completions.create(model="tiny_sudoku_sc", prompt=puzzle,
+                                  extra_body={"steps": 4, "step_type": "commit", "no_repeat": True})
+    assert norep.dgemma["no_repeat"] is True
+    assert plain.dgemma["no_repeat"] is (False if plain.dgemma["step_type"] == "commit" else None)  # the run's: off
     with pytest.raises(openai.BadRequestError):
         sc.completions.create(model="tiny_sudoku_sc", prompt=puzzle, extra_body={"self_condition": "sometimes"})
     none = client.completions.create(model="tiny_sudoku", prompt=puzzle, extra_body={"steps": 4, "self_condition": False})

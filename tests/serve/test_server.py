@@ -103,7 +103,9 @@ def test_a_run_decodes_with_its_own_eval_settings(tiny_run_sc, tmp_path):
     plan = make_plan(engine, SampleParams(step_type="commit", num_steps=3), [2, 5, 6], limits)
     sampler = plan_sampler(engine, plan, on_step=None)
     assert (sampler.step.block, sampler.step.stable_first, sampler.self_condition) == (3, False, False)
-    assert sampler.step.no_repeat is True
+    assert sampler.step.no_repeat is True and plan.settings["no_repeat"] is True  # the run's eval_ds
+    plan = make_plan(engine, SampleParams(step_type="commit", num_steps=3, no_repeat=False), [2, 5, 6], limits)
+    assert plan_sampler(engine, plan, on_step=None).step.no_repeat is False and plan.settings["no_repeat"] is False
     assert plan.settings["commit_block"] == 3 and plan.settings["self_condition"] is False
     plan = make_plan(engine, SampleParams(step_type="confidence", num_steps=3), [2, 5, 6], limits)
     assert plan_sampler(engine, plan, on_step=None).step.threshold == 0.8  # the run's, not 0.9
