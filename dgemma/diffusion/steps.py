@@ -439,7 +439,9 @@ def swap_repeats(logits: Tensor, pred: Tensor, new: Tensor, committed: Tensor) -
     ``[7 2 6 2]``. Position 3 committed instead, ``[7 2 2 2]`` -> ``[7 2 6 2]`` as well: position 2
     then also avoids the 2 on its right.
 
-    Scans the rows on the host (the ranks of a handful of rows are all it computes).
+    Scans the rows on the host; only a position that repeats reads its row of logits (one argmax
+    with the banned tokens masked, about 0.3 ms for a 262,144-token bf16 row on this project's CPU;
+    a top-k took 1.1 ms).
     """
     toks, free, done = pred.tolist(), new.tolist(), committed.tolist()
     swapped = False
@@ -450,9 +452,9 @@ def swap_repeats(logits: Tensor, pred: Tensor, new: Tensor, committed: Tensor) -
             banned = {row[i - 1]} if i > 0 and (free[b][i - 1] or done[b][i - 1]) else set()
             if i + 1 < len(row) and done[b][i + 1]:
                 banned.add(row[i + 1])
-            if row[i] in banned:
-                ranked = logits[b, i].float().topk(min(3, logits.shape[-1])).indices.tolist()
-                row[i] = next((x for x in ranked if x not in banned), row[i])
+            if row[i] in banned and logits.shape[-1] > len(banned):
+                ban = torch.tensor(sorted(banned), device=logits.device)
+                row[i] = int(argmax_ids(logits[b, i].clone().index_fill_(0, ban, float("-inf"))))
                 swapped = True
     return torch.tensor(toks, dtype=pred.dtype, device=pred.device) if swapped else pred
 
