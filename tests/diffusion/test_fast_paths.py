@@ -386,7 +386,7 @@ def test_lm_head_where_the_step_reads_equals_everywhere(monkeypatch, rule, tempe
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_no_repeat_leaves_no_free_position_equal_to_its_left_neighbour(temperature):
+def test_no_repeat_leaves_no_free_position_equal_to_a_neighbour(temperature):
     """The sampler with ``CommitStep(no_repeat=True)``: inside each canvas, up to the first stop
     token, no two neighbours hold the same token unless both were pinned (commits in blocks at two
     steps a canvas, so a position can commit after its right neighbour); without the rule the same
