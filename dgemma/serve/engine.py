@@ -167,7 +167,8 @@ def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
                 "temperature": e.temperature, "early_stopping": rule,
                 "threshold": e.confidence_threshold,
                 # the page's switch: None where the model has no self-conditioning block
-                "self_condition": bool(e.self_condition) if cfg.model.self_conditioning else None}
+                "self_condition": bool(e.self_condition) if cfg.model.self_conditioning else None,
+                "no_repeat": bool(e.commit_no_repeat)}  # the commit step's (the Text panel's switch)
     max_pos = cfg.model.max_position_embeddings
     return ModelInfo(str(workdir), "run", cfg.diffusion.process, cfg.diffusion.canvas_size,
                      min(max_canvases(cfg), limits.max_canvases), cfg.data.prompt_len, max_pos, defaults,
@@ -194,7 +195,8 @@ def read_examples(workdir: Path, limit: int = 20) -> list[dict]:
 
 def _pretrained_info(source: str, limits: Limits, max_positions: int = 32_768) -> ModelInfo:
     defaults = {"step_type": "confidence", "num_steps": 32, "temperature": 0.0, "early_stopping": "none",
-                "threshold": 0.9, "self_condition": None}  # load_pretrained builds no self-conditioning block
+                "threshold": 0.9, "self_condition": None,  # load_pretrained builds no self-conditioning block
+                "no_repeat": False}
     return ModelInfo(source, "pretrained", "uniform", 32, 4, limits.max_prompt_tokens, max_positions, defaults)
 
 

@@ -188,7 +188,20 @@ def test_browser_answers_a_pubmedqa_question_with_the_shipped_adapter(live_serve
         page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
         text_off = page.inner_text("#canvases")
         body_off = json.loads(sent_off.value.post_data)
+
+        # the no-repeat switch: shown for the commit step, off as the run has it, sent when ticked
+        assert page.is_visible("#t-no_repeat") and not page.is_checked("#t-no_repeat")
+        page.check("#t-no_repeat")
+        with page.expect_request("**/api/text/generate") as sent_nr:
+            page.click("#generate")
+        page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
+        text_nr = page.inner_text("#canvases")
+        body_nr = json.loads(sent_nr.value.post_data)
+        page.select_option("#t-step_type", "confidence")
+        assert not page.is_visible("#t-no_repeat")  # a commit-step rule
     assert not problems, problems
+    assert body_nr["no_repeat"] is True and body["no_repeat"] is False
+    assert re.search(r"The answer is: (yes|no|maybe)", text_nr), text_nr
     assert re.search(r"The answer is: (yes|no|maybe)", text), text
     assert "done" in status, status
     assert body["self_condition"] is True and body_off["self_condition"] is False

@@ -114,7 +114,7 @@ def test_a_run_decodes_with_its_own_eval_settings(tiny_run_sc, tmp_path):
 
     # the page's self-conditioning switch starts at the run's setting, and a model without the
     # block has no switch and reports none
-    assert engine.info.defaults["self_condition"] is False
+    assert engine.info.defaults["self_condition"] is False and engine.info.defaults["no_repeat"] is True
     raw["eval_ds"].pop("self_condition")
     (work / "config.json").write_text(json.dumps(raw))
     assert _run_info(work, load_config(str(work / "config.json")), limits).defaults["self_condition"] is True

@@ -59,6 +59,8 @@ function fillControls(prefix, model) {
   const sc = $(`${prefix}-self_condition`);
   sc.parentElement.hidden = d.self_condition === null || d.self_condition === undefined;
   sc.checked = d.self_condition === true;
+  const nr = $(`${prefix}-no_repeat`);  // the Text panel's; checked = the run's own setting
+  if (nr) nr.checked = d.no_repeat === true;
   const canv = $(`${prefix}-max_canvases`);
   if (canv && model.max_canvases) canv.value = model.max_canvases;
   if (INFO) $(`${prefix}-num_steps`).max = INFO.limits.max_steps;
@@ -66,7 +68,10 @@ function fillControls(prefix, model) {
 }
 
 function syncThreshold(prefix) {
-  $(`${prefix}-threshold`).parentElement.hidden = $(`${prefix}-step_type`).value !== "confidence";
+  const step = $(`${prefix}-step_type`).value;
+  $(`${prefix}-threshold`).parentElement.hidden = step !== "confidence";
+  const nr = $(`${prefix}-no_repeat`);
+  if (nr) nr.parentElement.hidden = step !== "commit";
 }
 
 function readControls(prefix) {
@@ -80,6 +85,8 @@ function readControls(prefix) {
   };
   if (out.step_type === "confidence") out.threshold = num("threshold");
   if (!$(`${prefix}-self_condition`).parentElement.hidden) out.self_condition = $(`${prefix}-self_condition`).checked;
+  const nr = $(`${prefix}-no_repeat`);
+  if (nr && !nr.parentElement.hidden) out.no_repeat = nr.checked;
   return out;
 }
 
@@ -316,7 +323,7 @@ function onTextEvent(event, d) {
   if (event === "start") {
     markLoaded("t", "text");
     $("t-status").textContent = `${d.prompt_tokens} prompt tokens · ${d.step_type}, ${d.num_steps} steps, seed ${d.seed}` +
-      (d.self_condition === false ? " · no self-conditioning" : "");
+      (d.self_condition === false ? " · no self-conditioning" : "") + (d.no_repeat ? " · no repeats" : "");
   } else if (event === "step") {
     drawTokens(canvasBox(d.canvas), `canvas ${d.canvas + 1} · step ${d.step}/${d.num_steps}`, d.tokens);
     $("t-status").textContent =
