@@ -622,14 +622,14 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
     if req.no_repeat is not None:
         sampler = replace(sampler, commit_no_repeat=req.no_repeat)
     build_rules(sampler, engine.noise)  # bad settings fail here, before a job starts
+    rules = sampler.resolved()
     seed = random.randrange(2**31) if req.seed is None else req.seed
     settings = {"step_type": step_type, "num_steps": num_steps, "temperature": temperature, "early_stopping": rule,
                 "threshold": threshold, "max_canvases": n_canvas, "canvas_size": info.canvas_size,
                 "seed": seed, "delay_ms": req.delay_ms, "prompt_tokens": len(prompt_ids),
                 "commit_block": sampler.commit_block,
-                "no_repeat": bool(sampler.resolved().commit_no_repeat) if step_type == "commit" else None,
-                "self_condition": (sampler.resolved().self_condition
-                                   if engine.model.self_conditioning is not None else None),
+                "no_repeat": bool(rules.commit_no_repeat) if step_type == "commit" else None,
+                "self_condition": rules.self_condition if engine.model.self_conditioning is not None else None,
                 "logit_bias": info.cfg.eval_ds.logit_bias if info.cfg is not None else None}
     return Plan(settings, prompt_ids, sampler, n_canvas, seed, req.delay_ms / 1000)
 
@@ -684,8 +684,7 @@ class Progress:
             self.canvas, self.forwards = canvas, self.forwards + 1  # the previous canvas's re-encode
         self.forwards += not reused  # a reused forward's logits cost no pass
         self.job.steps += 1
-        toks, com = tokens[0].tolist(), committed[0].tolist()
-        guess = toks if argmax is None else argmax[0].tolist()  # None: the sampler skipped the guesses
+        toks, com, guess = tokens[0].tolist(), committed[0].tolist(), argmax[0].tolist()
         self.canvas_committed = sum(com)
         pieces = [(x, True) if (c if self.commits else x == g) else (g, False) for x, c, g in zip(toks, com, guess)]
         emitted = (toks if step == self.num_steps - 1 else guess) if bool(done[0]) else None

@@ -174,29 +174,26 @@ def test_browser_answers_a_pubmedqa_question_with_the_shipped_adapter(live_serve
         page.fill("#t-num_steps", "16")
         page.fill("#t-max_canvases", "1")  # the verdict comes first: one canvas holds it
         assert page.is_visible("#t-self_condition") and page.is_checked("#t-self_condition")  # the run's setting
-        with page.expect_request("**/api/text/generate") as sent:
-            page.click("#generate")
-        page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
-        text, status = page.inner_text("#canvases"), page.inner_text("#t-status")
+
+        def generate() -> tuple[str, dict]:
+            """Press Generate; the answer once done and the request body the page sent."""
+            with page.expect_request("**/api/text/generate") as sent:
+                page.click("#generate")
+            page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
+            return page.inner_text("#canvases"), json.loads(sent.value.post_data)
+
+        text, body = generate()
+        status = page.inner_text("#t-status")
         page.screenshot(path=str(tmp_path / "pubmedqa.png"), full_page=True)
-        body = json.loads(sent.value.post_data)
 
         # the switch: off, the page asks for the zero signal, and the answer keeps its form
         page.uncheck("#t-self_condition")
-        with page.expect_request("**/api/text/generate") as sent_off:
-            page.click("#generate")
-        page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
-        text_off = page.inner_text("#canvases")
-        body_off = json.loads(sent_off.value.post_data)
+        text_off, body_off = generate()
 
         # the no-repeat switch: shown for the commit step, off as the run has it, sent when ticked
         assert page.is_visible("#t-no_repeat") and not page.is_checked("#t-no_repeat")
         page.check("#t-no_repeat")
-        with page.expect_request("**/api/text/generate") as sent_nr:
-            page.click("#generate")
-        page.wait_for_selector("#canvases[data-state='done']", timeout=180_000)
-        text_nr = page.inner_text("#canvases")
-        body_nr = json.loads(sent_nr.value.post_data)
+        text_nr, body_nr = generate()
         page.select_option("#t-step_type", "confidence")
         assert not page.is_visible("#t-no_repeat")  # a commit-step rule
     assert not problems, problems
