@@ -56,6 +56,7 @@ class SamplerConfig:
     stop_alias_cos: float | None = None  # stop tokens absorb the tokens this close to their embedding
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit at every step ({} = none)
     self_condition: bool | None = None  # feed the last prediction back (default True; False: a zero signal)
+    fuse_append: bool | None = None  # append a canvas in the next one's first pass (default True; same numbers)
 
     def merged(self, defaults: "SamplerConfig") -> "SamplerConfig":
         """This config with every ``None`` field taken from ``defaults``."""
@@ -92,7 +93,8 @@ def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
                          commit_no_repeat=e.commit_no_repeat,
                          entropy_bound=e.entropy_bound, stability_threshold=e.stability_threshold,
                          stop_confidence_threshold=e.stop_confidence_threshold, stop_alias_cos=e.stop_alias_cos,
-                         logit_bias=resolve_logit_bias(e.logit_bias, tokenizer), self_condition=e.self_condition)
+                         logit_bias=resolve_logit_bias(e.logit_bias, tokenizer), self_condition=e.self_condition,
+                         fuse_append=e.fuse_append)
 
 
 def interactive_defaults(e) -> tuple[int, str]:
@@ -127,7 +129,7 @@ def resolve_logit_bias(bias: dict[str, float] | None, tokenizer) -> dict[int, fl
 RULE_DEFAULTS = SamplerConfig(entropy_threshold=0.05, min_stop_prob=0.0, confidence_threshold=0.9, entropy_bound=0.1,
                               commit_order="confidence", commit_stable_first=True, commit_no_repeat=False,
                               stability_threshold=1, stop_confidence_threshold=0.005, top_p=1.0,
-                              entropy_t_max=0.8, entropy_t_min=0.4, self_condition=True)
+                              entropy_t_max=0.8, entropy_t_min=0.4, self_condition=True, fuse_append=True)
 """The step and stopping rules' own defaults (those of their constructors)."""
 
 
@@ -173,7 +175,7 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
                          max_canvases=cfg.max_canvases, stop=stop, stop_ids=stop_ids,
                          min_stop_prob=cfg.min_stop_prob, stop_alias_cos=cfg.stop_alias_cos,
                          logit_bias=dict(cfg.logit_bias or {}), temperature=signal_temperature(cfg),
-                         self_condition=cfg.self_condition, **engine)
+                         self_condition=cfg.self_condition, fuse_append=cfg.fuse_append, **engine)
 
 
 def signal_temperature(cfg: SamplerConfig) -> float:

@@ -12,6 +12,13 @@ interleaved (a, b, a, b, ...), so load drift hits both alike.
 For bf16 rows, ``argmax_agree_fp32`` is the fraction of the ``C`` positions whose greedy token
 is the same as in fp32 (same weights, same inputs): what bf16 costs in decisions.
 
+``kind="append_cost"`` rows time what appending a finished canvas costs: its own encoder
+forward of ``C`` clean tokens followed by the next canvas's first decoder forward (``apart_s``),
+against the one forward of ``2 C`` tokens that does both (``fused_s``,
+``DiffusionGemma.forward``'s ``append``; the sampler's default, ``CanvasSampler.fuse_append``);
+``fused_vs_apart`` is their ratio, ``max_abs_diff`` the largest gap between the two ways' logits
+of the noisy canvas (rounding only: the same numbers in exact arithmetic).
+
 With ``--compile`` the same forwards also run through ``dgemma/models/compiled.py:CompiledModel``
 (impl ``dgemma-compiled``; ``vs_ar_step`` over its own compiled AR step): ``compile_s`` on its
 ``C = 1`` and first ``C > 1`` rows is what compiling the AR step and the denoising step cost
@@ -37,6 +44,9 @@ PROMPT = 64
 COLUMNS = [("impl", "impl"), ("dtype", "dtype"), ("canvas", "C"), ("repeats", "n"), ("median_s", "s"),
            ("vs_ar_step", "x AR step"), ("vs_transformers", "x transformers"), ("argmax_agree_fp32", "argmax = fp32"),
            ("compile_s", "compile s"), ("argmax_agree_eager", "argmax = eager")]
+
+APPEND_COLUMNS = [("dtype", "dtype"), ("canvas", "C"), ("repeats", "n"), ("apart_s", "apart s"),
+                  ("fused_s", "fused s"), ("fused_vs_apart", "fused / apart"), ("max_abs_diff", "max |diff|")]
 
 
 def _dgemma_forward(model, prompt_ids: torch.Tensor, c: int):
@@ -65,6 +75,32 @@ def _dgemma_forward(model, prompt_ids: torch.Tensor, c: int):
     return call, tokens
 
 
+def _append_calls(model, prompt_ids: torch.Tensor, c: int):
+    """``(apart, fused)``: a clean canvas of ``c`` tokens appended by a forward of its own, then
+    the next noisy canvas decoded; or both in one forward. Each rolls the cache back to the prompt."""
+    p, dev = prompt_ids.shape[1], prompt_ids.device
+    cache = KVCache(1, p + 2 * c)
+    model(prompt_ids, cache=cache, return_hidden=True)
+    gen = torch.Generator().manual_seed(c)
+    clean_ids, noisy_ids = torch.randint(3, model.config.vocab_size, (2, 1, c), generator=gen).to(dev)
+    pos = (p + torch.arange(2 * c, device=dev))[None]
+    ones = torch.ones(1, c, dtype=torch.bool, device=dev)
+    clean = TokenInfo(pos[:, :c], torch.ones_like(pos[:, :c]), ~ones, ones)
+    noisy = TokenInfo(pos[:, c:], torch.full_like(pos[:, c:], 2), ones, ones)
+
+    def apart():
+        model(clean_ids, info=clean, cache=cache, return_hidden=True)
+        out = model(noisy_ids, info=noisy, cache=cache, write=False)
+        cache.truncate(p)
+        return out
+
+    def fused():
+        out = model(torch.cat([clean_ids, noisy_ids], 1), info=clean.cat(noisy), cache=cache, append=c)[:, c:]
+        cache.truncate(p)
+        return out
+    return apart, fused
+
+
 def _hf_forward(hf, prompt_ids: torch.Tensor, tokens: torch.Tensor):
     from transformers import DynamicCache
 
@@ -80,7 +116,7 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
     started = time.perf_counter()
     result = new_result("decode", ctx)
     result["settings"]["only"] = "step_cost"
-    rows = []
+    rows, appends = [], []
     reps = ctx.reps(3 if ctx.quick else 7)
     reference: dict[int, torch.Tensor] = {}  # fp32 argmax per canvas size (dgemma), for the agreement column
     canvases = CANVASES[:3] if ctx.quick else CANVASES
@@ -133,7 +169,21 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
                     r["vs_ar_step"] = r["median_s"] / timed[(r["impl"], 1)]
                     if r["impl"].startswith("dgemma") and ("transformers", r["canvas"]) in timed:
                         r["vs_transformers"] = r["median_s"] / timed[("transformers", r["canvas"])]
-    result["rows"] = rows
+            for c in canvases[1:4]:  # what an append costs, apart or in the next canvas's first forward
+                apart, fused = _append_calls(model, prompt, c)
+                apart(), fused()
+                ms = measure_interleaved({"apart": apart, "fused": fused}, repeats=reps,
+                                         max_seconds=None if ctx.quick else 20.0, device=ctx.device)
+                if dtype in dtypes:
+                    appends.append({"kind": "append_cost", "impl": "dgemma", "dtype": name, "canvas": c,
+                                    "repeats": ms["fused"].repeats, "apart_s": ms["apart"].median_s,
+                                    "fused_s": ms["fused"].median_s,
+                                    "fused_vs_apart": ms["fused"].median_s / ms["apart"].median_s, "source": source,
+                                    "max_abs_diff": float((ms["fused"].result.float() - ms["apart"].result.float())
+                                                          .abs().max())})
+    result["rows"] = rows + appends
+    result["tables"].append(format_table(appends, APPEND_COLUMNS, title="== decode --only step_cost: appending a "
+                                         "canvas of C tokens, by its own forward or in the next one's first"))
     result["tables"].append(format_table(rows, COLUMNS, title=f"== decode --only step_cost: one forward of C new "
                                                               f"tokens after a {PROMPT}-token prompt, batch 1"))
     for r in rows:

@@ -9,9 +9,16 @@ For each batch of prompts (right padded, any lengths)::
             logits = model(x | cache); x = step(x, logits)
             rows whose stopping rule fires are frozen and leave the batch
         cut each row's canvas at EOS / end-of-turn -> that row is finished       CanvasSampler.append
-        append the canvas of unfinished rows              1 forward (encoder, writes the cache)
+        append the canvas of unfinished rows              in the next canvas's first forward
 
 The three stages share one :class:`Decoding` (the call's cache, active rows and results).
+
+Appending costs no forward of its own (``fuse_append``): the finished canvas, clean, goes in
+front of the next canvas's first noisy input, ``[A, 2C]``, and that one forward writes its keys
+(``DiffusionGemma.forward``'s ``append``) while the noisy half is denoised. The clean tokens are
+token-causal and never see the noisy ones, so both halves get the numbers their own forwards
+would. A canvas of S steps takes S forwards instead of S + 1; at C = 32 the one forward costs
+about 0.77 of the two it replaces (bf16, batch 1, the AMX Xeon: ``docs/benchmarks.md``).
 
 With ``shift_logits`` the first token of a canvas is predicted by the clean state of the token
 before it, which the prefill or the append already computed (``dgemma/diffusion/shift.py``).
@@ -49,7 +56,7 @@ from dgemma.models.selfcond import embed_probs, probs_embedding
 @dataclass
 class SampleResult:
     tokens: list[list[int]]  # generated tokens per row, cut after the first stop token (kept)
-    forward_passes: list[int]  # per row: prefill + denoising steps + re-encodes it took part in
+    forward_passes: list[int]  # per row: prefill + denoising steps (+ appends when not fused) it took part in
     steps_used: list[list[int]]  # per row, per canvas
     seconds: float
     trajectories: list[list[dict]] | None = None  # per row: one dict per step (see record)
@@ -62,7 +69,7 @@ class SampleResult:
         """Per row: generated tokens (``pad_id`` ones not counted) over denoising passes only.
 
         transformers' DiffusionGemma reports this figure (``tokens_per_forward`` of its
-        ``generate``); ours above also counts the prefill and re-encode passes (docs/design.md §4).
+        ``generate``); ours above also counts the prefill pass (docs/design.md §4).
         """
         return [sum(tok != pad_id for tok in t) / max(sum(s), 1) for t, s in zip(self.tokens, self.steps_used)]
 
@@ -100,6 +107,9 @@ class CanvasSampler:
     stop_alias_cos: float | None = None  # fold tokens this close to a stop token's embedding into it
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits at every step (add_logit_bias)
     reuse_logits: bool = True  # a step after one that changed no token reuses its logits (False: recompute)
+    # append a finished canvas in the next canvas's first pass (one forward fewer a canvas, same
+    # numbers; DiffusionGemma.forward's ``append``); False: a forward of its own, as the SPEC draws it
+    fuse_append: bool = True
     self_condition: bool = True  # feed each step's prediction to the next (False: the zero signal of a first step)
     record: bool = False
     # Optional per-step callback, called after every denoising step with keyword arguments
@@ -216,7 +226,15 @@ class CanvasSampler:
             if reused:
                 logits = last[2]
             else:
-                if self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
+                if self.use_cache and d.pending is not None:  # the last canvas's append rides on this pass
+                    done_ids, done_info = d.pending
+                    n = done_ids.shape[1]
+                    h = model(torch.cat([done_ids, state.tokens], 1), info=done_info.cat(noisy), cache=d.cache,
+                              append=n, selfcond=selfcond, t=t, return_hidden=True)
+                    d.pending, ctx_cache = None, d.cache
+                    d.before = h[:, n - 1] if d.before_idx is not None else None
+                    hidden, before = h[:, n:], d.before
+                elif self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
                     hidden = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
                                    write=False, selfcond=selfcond, t=t, return_hidden=True)
                     before = d.before[running] if d.before is not None else None
@@ -301,6 +319,9 @@ class CanvasSampler:
         if self.use_cache:
             if not keep.all():  # no copy when every row goes on
                 d.cache = d.cache.select(keep.nonzero().squeeze(1))
+            if self.fuse_append:  # written by the next canvas's first pass (denoise_canvas)
+                d.pending = (canvas, clean)
+                return True
             h = model(canvas, info=clean, cache=d.cache, return_hidden=True)  # append: encoder pass, keys only
             d.before = h[:, -1] if d.before_idx is not None else None
             for r in d.active.tolist():
@@ -332,6 +353,7 @@ class Decoding:
     cache: KVCache | None = None
     before_idx: Tensor | None = None  # shift_logits: [B] index of the prompt's last token
     before: Tensor | None = None  # shift_logits: [A, d] the clean state before the next canvas
+    pending: tuple[Tensor, TokenInfo] | None = None  # a finished canvas [A, C] not yet in the cache (fuse_append)
     pos: Tensor | None = None  # [A, C] positions of the current canvas
     blocks: Tensor | None = None  # [A, C] its block id
 

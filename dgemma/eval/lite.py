@@ -60,8 +60,8 @@ corpus``), each window cut into canvases exactly as in training:
 3. **Generation** (:func:`generation_speed`): unconditional samples (a one-token EOS prompt:
    the corpus separates documents with EOS) of ``canvases`` canvases, no stop tokens, so every
    setting emits the same number of tokens. Fixed step counts with Lite's ``commit`` step, whose
-   tokens per forward (prefill and re-encode passes counted, docs/design.md §4) is exactly
-   ``M C / (1 + M T + M - 1) = C / (T + 1)``; and adaptive stopping (``entropy``,
+   tokens per forward (the prefill counted; each append rides on the next canvas's first
+   pass, docs/design.md §4) is exactly ``M C / (1 + M T)``, just under ``C / T``; and adaptive stopping (``entropy``,
    ``stable_confident``) up to ``adaptive_steps``. Wall-clock tokens/s against ``ar_generate``
    (KV cache, greedy) of the AR baseline run given as ``ar_run`` (same backbone, trained the same
    way: configs/lite_debug_ar.py, configs/lite_343m_ar.py), or of the same weights when none is
@@ -100,7 +100,7 @@ EVAL_NAME = "lm"
 GEN_STEPS = (8, 16, 32, 64)
 ADAPTIVE = ("entropy", "stable_confident")
 TINY_MODEL_NOTE = ("tokens/forward is set by the step schedule, not the model: with T fixed steps it is "
-                   "canvas/(T+1) (C tokens per T denoising passes plus one re-encode), so on a tiny or "
+                   "about canvas/T (C tokens per T denoising passes, plus one prefill), so on a tiny or "
                    "untrained model it says nothing about quality, and CPU wall-clock ratios are not GPU ones")
 
 
@@ -279,13 +279,15 @@ def nelbo_bound(run, batches: list[dict], *, points: int = 16, seed: int = 0, se
 
 # ------------------------------------------------------------------------------------- generation
 def analytic_tokens_per_forward(canvas_size: int, num_steps: int, canvases: int, prompt_len: int = 1,
-                                schedule=None) -> float:
+                                schedule=None, fuse_append: bool = True) -> float:
     """Tokens per forward of a run with no early stop: ``M C`` tokens over one prefill (if there
-    is a prompt), ``M T'`` denoising passes and ``M - 1`` re-encodes, where ``T'`` is ``T`` or,
-    given the commit step's ``schedule``, the pass after which it has committed every position
-    (``dgemma/diffusion/steps.py:CommitStep.passes``)."""
+    is a prompt) and ``M T'`` denoising passes, where ``T'`` is ``T`` or, given the commit step's
+    ``schedule``, the pass after which it has committed every position
+    (``dgemma/diffusion/steps.py:CommitStep.passes``). The ``M - 1`` appends ride on the next
+    canvas's first pass, unless ``fuse_append`` is False (``CanvasSampler.fuse_append``)."""
     passes = num_steps if schedule is None else CommitStep.passes(schedule, num_steps, canvas_size)
-    return canvases * canvas_size / ((1 if prompt_len else 0) + canvases * passes + canvases - 1)
+    appends = 0 if fuse_append else canvases - 1
+    return canvases * canvas_size / ((1 if prompt_len else 0) + canvases * passes + appends)
 
 
 def _sampler(run, num_steps: int, rule: str | None, canvases: int):

@@ -43,20 +43,21 @@ class CompiledModel:
         return getattr(self.__dict__["module"], name)
 
     def __call__(self, input_ids: torch.Tensor, *, info: TokenInfo | None = None, cache=None,
-                 write: bool | None = None, selfcond: torch.Tensor | None = None, t: torch.Tensor | None = None,
-                 return_hidden: bool = False) -> torch.Tensor:
+                 write: bool | None = None, append: int = 0, selfcond: torch.Tensor | None = None,
+                 t: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
         model = self.module
         if info is None:  # the model's defaults read the cache on the host: run them eagerly
-            return model(input_ids, info=info, cache=cache, write=write, selfcond=selfcond, t=t,
-                         return_hidden=return_hidden)
-        write = model.resolve_write(info, write)
+            return model(input_ids, info=info, cache=cache, write=write, append=append, selfcond=selfcond,
+                         t=t, return_hidden=return_hidden)
+        write = model.resolve_write(info, write, append)
         for rotary in model.rotary.values():
             rotary.cover(info.positions)
-        kind = (cache is not None, write, selfcond is not None, t is not None, return_hidden, torch.is_grad_enabled())
+        kind = (cache is not None, write, append, selfcond is not None, t is not None, return_hidden,
+                torch.is_grad_enabled())
         first = kind not in self._seen
         t0 = time.perf_counter()
-        out = self._forward(input_ids, info=info, cache=cache, write=write, selfcond=selfcond, t=t,
-                            return_hidden=return_hidden)
+        out = self._forward(input_ids, info=info, cache=cache, write=write, append=append, selfcond=selfcond,
+                            t=t, return_hidden=return_hidden)
         if first:
             self._seen.add(kind)
             self.compiles += 1

@@ -14,6 +14,8 @@ Lifecycle::
     model(prompt, info=prompt_info, cache=cache)            # prefill: slots [0, P)
     model(canvas, info=noisy_info, cache=cache, write=False)  # denoise: reads [0, P), writes nothing
     model(canvas, info=clean_info, cache=cache)              # append the finished canvas
+    model(cat([canvas, x]), info=clean_info.cat(noisy_info), cache=cache, append=C)
+                                        # or: append it and denoise the next canvas in one forward
     cache.truncate(P)                                        # roll back to the prompt
 """
 

@@ -302,6 +302,7 @@ class DiffusionGemma(nn.Module):
         info: TokenInfo | None = None,
         cache: KVCache | None = None,
         write: bool | None = None,
+        append: int = 0,
         selfcond: Tensor | None = None,
         t: Tensor | None = None,
         return_hidden: bool = False,
@@ -311,8 +312,12 @@ class DiffusionGemma(nn.Module):
         ``info`` describes each token (default: clean, unpadded, positions ``0..L-1`` after the
         cache). With a ``cache`` the tokens attend to its filled slots too; ``write`` (default:
         True for clean inputs, False when any token is noisy) stores their keys and moves the
-        cursor. ``selfcond [B, L, d]`` is the self-conditioning signal (expected embedding of the
-        previous prediction), ``t [B]`` the diffusion time, both used on noisy tokens only.
+        cursor. ``append = n`` stores only the first ``n`` tokens (clean: a finished canvas) and
+        moves the cursor past them; the rest (a noisy canvas) attend to them within the same
+        forward and are not kept: an append and the next canvas's first denoising step in one
+        pass, the same numbers as the two passes it replaces (the clean tokens never attend to
+        noisy ones). ``selfcond [B, L, d]`` is the self-conditioning signal (expected embedding of
+        the previous prediction), ``t [B]`` the diffusion time, both used on noisy tokens only.
         """
         cfg = self.config
         b, n = input_ids.shape
@@ -326,7 +331,7 @@ class DiffusionGemma(nn.Module):
                 last = cache.info().positions.max(-1).values  # continue each row's positions
                 info.positions = info.positions + last[:, None] + 1
         if not torch.compiler.is_compiling():  # compiled.py resolves it eagerly, before the graph
-            write = self.resolve_write(info, write)
+            write = self.resolve_write(info, write, append)
         k_info = cache.key_info(info) if cache is not None else info
         attend = get_attention(cfg.attn_implementation)
         masks = {
@@ -343,15 +348,21 @@ class DiffusionGemma(nn.Module):
                 x = checkpoint(layer, x, rope[kind], masks[kind], attend, cache, write, at, use_reentrant=False)
             else:
                 x = layer(x, rope[kind], masks[kind], attend, cache, write, at)
-        if cache is not None and write:
-            cache.advance(info)
+        if cache is not None and write:  # with append, the noisy keys stay in the scratch slots
+            cache.advance(info[:, :append] if append else info)
         x = self.model.norm(x)
         return x if return_hidden else self.logits(x)
 
     @staticmethod
-    def resolve_write(info: TokenInfo, write: bool | None) -> bool:
+    def resolve_write(info: TokenInfo, write: bool | None, append: int = 0) -> bool:
         """``forward``'s ``write``: default True for clean inputs, False when any token is noisy;
-        writing a noisy token is refused (one host sync)."""
+        writing a noisy token is refused (one host sync). With ``append = n`` the first ``n``
+        tokens must be clean and are written (True)."""
+        if append:
+            if not 0 < append < info.shape[1] or bool(info.noisy[:, :append].any()) or write is False:
+                raise ValueError(f"append={append}: the first {append} of {info.shape[1]} tokens must be clean "
+                                 "and written, and at least one token must follow them")
+            return True
         noisy = bool(info.noisy.any())
         if write and noisy:
             raise ValueError("noisy (decoder) tokens are never written to the KV cache")

@@ -668,6 +668,7 @@ class Progress:
         self.commits = STEPS[plan.settings["step_type"]].commits
         self.num_steps = plan.settings["num_steps"]
         self.forwards = 1  # the prefill
+        self.own_appends = plan.sampler.fuse_append is False  # else an append rides on a canvas's first pass
         self.canvas = 0
         self.earlier: list[int] = []  # tokens emitted by finished canvases
         self.t0 = time.perf_counter()
@@ -681,7 +682,7 @@ class Progress:
         if self.job.cancel.is_set():
             raise Cancelled
         if canvas != self.canvas:
-            self.canvas, self.forwards = canvas, self.forwards + 1  # the previous canvas's re-encode
+            self.canvas, self.forwards = canvas, self.forwards + self.own_appends  # the previous canvas's append
         self.forwards += not reused  # a reused forward's logits cost no pass
         self.job.steps += 1
         toks, com, guess = tokens[0].tolist(), committed[0].tolist(), argmax[0].tolist()

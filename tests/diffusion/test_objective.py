@@ -187,26 +187,29 @@ def wake_conditioning(model):
 
 
 def cached_and_uncached(model, step: str, **sampler_args) -> dict:
-    """``{use_cache: SampleResult}`` of the same seeded 4-step, 3-canvas sampling of make_batch()."""
+    """``{use_cache: SampleResult}`` of the same seeded 4-step, 3-canvas sampling of make_batch();
+    ``"own"``: through the cache, each canvas appended by a forward of its own (``fuse_append=False``)."""
     noise = UniformNoise(V, LinearSchedule())
     b = make_batch()
     out = {}
-    for use_cache in (True, False):
+    for key, use_cache in ((True, True), (False, False), ("own", True)):
         kw = {"schedule": LinearSchedule()} if step == "commit" else {}
         sampler = CanvasSampler(noise=noise, step=build_step(step, noise=noise, **kw), num_steps=4, canvas_size=C,
-                                max_canvases=3, use_cache=use_cache, **sampler_args)
-        out[use_cache] = sampler(model, b["prompt_ids"], b["prompt_valid"], generator=torch.Generator().manual_seed(0))
+                                max_canvases=3, use_cache=use_cache, fuse_append=key != "own", **sampler_args)
+        out[key] = sampler(model, b["prompt_ids"], b["prompt_valid"], generator=torch.Generator().manual_seed(0))
     return out
 
 
 @pytest.mark.parametrize("step", ["ddim", "commit"])
 def test_cached_sampler_equals_recomputing_the_prefix(step):
-    """The same seed through the KV cache and through single-shot forwards of [prefix | canvas]
-    gives the same tokens, canvas after canvas (fp64)."""
+    """The same seed through the KV cache (each finished canvas appended within the next canvas's
+    first forward, or by a forward of its own) and through single-shot forwards of [prefix |
+    canvas] gives the same tokens, canvas after canvas (fp64)."""
     out = cached_and_uncached(wake_conditioning(tiny(self_conditioning=True, time_conditioning=True)), step)
-    assert out[True].tokens == out[False].tokens
+    assert out[True].tokens == out[False].tokens == out["own"].tokens
     assert all(len(t) == 3 * C for t in out[True].tokens)  # no stop ids: three full canvases
-    assert out[True].forward_passes == [1 + 3 * 4 + 2] * 2  # prefill, 3 x 4 steps, 2 re-encodes
+    assert out[True].forward_passes == [1 + 3 * 4] * 2  # prefill, 3 x 4 steps (the appends ride on them)
+    assert out["own"].forward_passes == [1 + 3 * 4 + 2] * 2  # and 2 re-encodes
 
 
 def test_ar_only_objective_is_the_plain_next_token_loss():

@@ -108,8 +108,9 @@ def test_uniform_terms_vanish_for_a_perfect_model_and_are_positive_otherwise(par
 
 
 def test_analytic_tokens_per_forward():
-    assert lite.analytic_tokens_per_forward(32, 8, 4) == 32 / 9  # one prefill, 4 x 8 steps, 3 re-encodes
-    assert lite.analytic_tokens_per_forward(32, 8, 4, prompt_len=0) == 128 / 35
+    assert lite.analytic_tokens_per_forward(32, 8, 4) == 128 / 33  # one prefill, 4 x 8 steps
+    assert lite.analytic_tokens_per_forward(32, 8, 4, fuse_append=False) == 32 / 9  # and 3 appends of their own
+    assert lite.analytic_tokens_per_forward(32, 8, 4, prompt_len=0) == 128 / 32
 
 
 # -- the harness on tiny runs ------------------------------------------------------------------
@@ -159,10 +160,10 @@ def test_harness_end_to_end(runs):
     assert g["ar"]["tokens_per_forward"] == 1.0 and g["ar"]["tokens"] == 2 * 3 * 8
     for r in g["rows"]:
         assert r["tokens"] == 2 * 3 * 8 and r["tokens_per_second"] > 0
-        if r["stopping"] == "none":  # exactly C / (T' + 1): one prefill, M T' steps, M - 1 re-encodes
+        if r["stopping"] == "none":  # exactly M C / (1 + M T'): one prefill, M T' steps (the appends ride on them)
             assert r["tokens_per_forward"] == r["analytic_tokens_per_forward"]
             # T' = T, except that the cosine pace has committed all 8 positions after 3 of 4 steps
-            assert r["tokens_per_forward"] == 8 / ({2: 2, 4: 3}[r["num_steps"]] + 1)
+            assert r["tokens_per_forward"] == 3 * 8 / (1 + 3 * {2: 2, 4: 3}[r["num_steps"]])
     assert {r["name"] for r in g["rows"]} == {"commit_steps2", "commit_steps4", "commit_steps4_entropy",
                                               "commit_steps4_stable_confident"}
     saved = json.loads((runs / "diff" / "eval" / "lm" / "step_3.json").read_text())
@@ -196,4 +197,4 @@ def test_unconditional_sampling_from_an_empty_prompt(runs):
                 generator=torch.Generator().manual_seed(0))
         outs.append(res)
     assert outs[0].tokens == outs[1].tokens and all(len(t) == 16 for t in outs[0].tokens)
-    assert outs[0].forward_passes == [2 * 3 + 1] * 2  # no prefill: 2 x 3 steps + 1 re-encode
+    assert outs[0].forward_passes == [2 * 3] * 2  # no prefill: 2 x 3 steps (the append rides on the 4th)

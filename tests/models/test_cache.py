@@ -27,30 +27,44 @@ def tiny(encoder="causal", attn="eager", **kw):
     return m
 
 
-def cached_decode(model, prompt, pvalid, clean, noisy, selfcond=None, t=None):
-    """Decode every noisy canvas k against a cache holding prompt + clean canvases < k."""
+def cached_decode(model, prompt, pvalid, clean, noisy, selfcond=None, t=None, fused=False):
+    """Decode every noisy canvas k against a cache holding prompt + clean canvases < k. ``fused``:
+    clean canvas k - 1 is appended in the forward that decodes noisy canvas k (``append=C``)."""
     b, p = prompt.shape
     cache = KVCache(b, p + N * C)
     model(prompt, info=TokenInfo.clean(pvalid), cache=cache)
     start = pvalid.sum(-1)
+    ones = torch.ones(b, C, dtype=torch.bool)
+    info = [TokenInfo(start[:, None] + k * C + torch.arange(C)[None], torch.full((b, C), k + 1), ones, ones)
+            for k in range(N)]
     outs = []
     for k in range(N):
-        pos = start[:, None] + k * C + torch.arange(C)[None]
-        blk = torch.full((b, C), k + 1)
-        ones = torch.ones(b, C, dtype=torch.bool)
         sc = None if selfcond is None else selfcond[:, k * C:(k + 1) * C]
-        outs.append(model(noisy[:, k * C:(k + 1) * C], info=TokenInfo(pos, blk, ones, ones), cache=cache,
-                          write=False, selfcond=sc, t=t))
         before = cache.cursor
-        model(clean[:, k * C:(k + 1) * C], info=TokenInfo(pos, blk, ~ones, ones), cache=cache)
-        assert cache.cursor == before + C
+        if fused and k:
+            done = TokenInfo(info[k - 1].positions, info[k - 1].blocks, ~ones, ones)
+            sc = None if sc is None else torch.cat([torch.zeros_like(sc), sc], 1)
+            out = model(torch.cat([clean[:, (k - 1) * C:k * C], noisy[:, k * C:(k + 1) * C]], 1),
+                        info=done.cat(info[k]), cache=cache, append=C, selfcond=sc, t=t)
+            outs.append(out[:, C:])
+            assert cache.cursor == before + C
+        else:
+            outs.append(model(noisy[:, k * C:(k + 1) * C], info=info[k], cache=cache, write=False, selfcond=sc, t=t))
+            assert cache.cursor == before
+        if not fused or k == N - 1:
+            before = cache.cursor
+            model(clean[:, k * C:(k + 1) * C], info=TokenInfo(info[k].positions, info[k].blocks, ~ones, ones),
+                  cache=cache)
+            assert cache.cursor == before + C
+    assert cache.cursor == p + N * C
     return torch.cat(outs, 1)
 
 
 @pytest.mark.parametrize("encoder", ["causal", "block"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "flex"])
 @pytest.mark.parametrize("conditioning", [False, True])
-def test_cached_equals_single_shot(encoder, attn, conditioning):
+@pytest.mark.parametrize("fused", [False, True])
+def test_cached_equals_single_shot(encoder, attn, conditioning, fused):
     model = tiny(encoder, attn, self_conditioning=conditioning, time_conditioning=conditioning)
     g = torch.Generator().manual_seed(1)
     pvalid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]).bool()  # right padded, different lengths
@@ -60,7 +74,7 @@ def test_cached_equals_single_shot(encoder, attn, conditioning):
     selfcond = torch.randn(2, N * C, 32, generator=g, dtype=torch.float64) if conditioning else None
     t = torch.tensor([0.3, 0.8], dtype=torch.float64) if conditioning else None
     with torch.no_grad():
-        got = cached_decode(model, prompt, pvalid, clean, noisy, selfcond, t)
+        got = cached_decode(model, prompt, pvalid, clean, noisy, selfcond, t, fused=fused)
         info = single_shot_info(pvalid, torch.ones(2, N * C, dtype=torch.bool), C)
         ids = torch.cat([prompt, clean, noisy], 1)
         sc = None if selfcond is None else torch.cat([torch.zeros(2, 5 + N * C, 32, dtype=torch.float64), selfcond], 1)
@@ -76,7 +90,8 @@ GEMMA4 = dict(global_head_dim=16, num_global_key_value_heads=1, rope_global_part
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "flex"])
-def test_cached_equals_single_shot_diffusiongemma_architecture(attn):
+@pytest.mark.parametrize("fused", [False, True])
+def test_cached_equals_single_shot_diffusiongemma_architecture(attn, fused):
     """The same invariant for the released DiffusionGemma's design: Gemma 4 layers, experts, and
     a sliding window anchored at the canvas start (prompt longer than the window)."""
     model = tiny("causal", attn, **GEMMA4)
@@ -87,7 +102,7 @@ def test_cached_equals_single_shot_diffusiongemma_architecture(attn):
     noisy = torch.randint(0, V, (2, N * C), generator=g)
     selfcond = torch.randn(2, N * C, 32, generator=g, dtype=torch.float64)
     with torch.no_grad():
-        got = cached_decode(model, prompt, pvalid, clean, noisy, selfcond)
+        got = cached_decode(model, prompt, pvalid, clean, noisy, selfcond, fused=fused)
         info = single_shot_info(pvalid, torch.ones(2, N * C, dtype=torch.bool), C)
         sc = torch.cat([torch.zeros(2, 9 + N * C, 32, dtype=torch.float64), selfcond], 1)
         want = model(torch.cat([prompt, clean, noisy], 1), info=info, selfcond=sc)[:, -N * C:]
@@ -121,6 +136,11 @@ def test_decoder_pass_never_writes_the_cache():
     with pytest.raises(ValueError, match="never written"):
         model(torch.randint(0, V, (1, C)), info=TokenInfo(6 + torch.arange(C)[None], torch.ones(1, C).long(), ones, ones),
               cache=cache, write=True)
+    for append in (1, C):  # append stores clean tokens only, and leaves a noisy canvas to decode
+        with pytest.raises(ValueError, match="must be clean"):
+            model(torch.randint(0, V, (1, C)), info=TokenInfo(6 + torch.arange(C)[None], torch.ones(1, C).long(),
+                                                              ones, ones), cache=cache, append=append)
+    assert cache.cursor == snapshot[1]
 
 
 def test_truncate_and_select():
