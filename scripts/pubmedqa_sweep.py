@@ -32,7 +32,9 @@ VARIANTS = [("S=32 block 4", "commit", 32, {}), ("S=16 block 4", "commit", 16, {
             ("S=8 block 4, margin order", "commit", 8, {"commit_order": "margin"}),
             ("S=8 block 4, confidence only", "commit", 8, {"commit_stable_first": False}),
             ("S=4 block 4", "commit", 4, {})]
-VARIANTS += [(f"S={n} block 4, no self-conditioning", "commit", n, {"self_condition": False}) for n in (32, 16, 8, 4)]
+VARIANTS += [(f"S={n} block 4", "commit", n, {}) for n in (12, 10)]  # between the 16- and 8-step rows
+VARIANTS += [(f"S={n} block 4, no self-conditioning", "commit", n, {"self_condition": False})
+             for n in (32, 16, 12, 10, 8, 4)]
 VARIANTS += [(f"S={n} block 4, no repeat", "commit", n, {"commit_no_repeat": True}) for n in (16, 8, 4)]
 VARIANTS += [(f"S={n} block 4, no repeat, no self-conditioning", "commit", n,
               {"commit_no_repeat": True, "self_condition": False}) for n in (16, 8, 4)]

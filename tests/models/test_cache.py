@@ -194,3 +194,22 @@ def test_backends_agree_on_diffusion_masks(encoder):
             outs[attn] = tiny(encoder, attn)(ids, info=info)
     torch.testing.assert_close(outs["sdpa"], outs["eager"], rtol=0, atol=1e-12)
     torch.testing.assert_close(outs["flex"], outs["eager"], rtol=0, atol=1e-12)
+
+
+def test_logits_of_a_strided_view_are_the_packed_ones():
+    """``DiffusionGemma.logits`` flattens its input before the head (with frozen bf16 weights a 3-D
+    view such as the noisy half of a fused append, ``h[:, C:]``, sends PyTorch's CPU ``linear`` down
+    a path 30x slower): the same numbers for the view, its packed copy and one vector, and no rows
+    for none (fp64)."""
+    model = tiny(final_logit_softcapping=30.0)
+    h = torch.randn(3, 2 * C, 32, dtype=torch.float64)
+    view = h[:, C:]
+    assert view.stride() != view.contiguous().stride()
+    with torch.no_grad():
+        got = model.logits(view)
+        want = torch.tanh(model.lm_head(view.contiguous()) / 30.0) * 30.0
+        one = model.logits(view[1, 2])
+        none = model.logits(view[view[..., 0] > 99])  # no row selected (a pass with no open position)
+    assert got.shape == (3, C, V) and torch.equal(got, want)
+    assert one.shape == (V,) and none.shape == (0, V)
+    torch.testing.assert_close(one, got[1, 2], rtol=0, atol=1e-15)  # a one-row product rounds on its own
