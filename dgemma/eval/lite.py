@@ -60,9 +60,9 @@ corpus``), each window cut into canvases exactly as in training:
 3. **Generation** (:func:`generation_speed`): unconditional samples (a one-token EOS prompt:
    the corpus separates documents with EOS) of ``canvases`` canvases, no stop tokens, so every
    setting emits the same number of tokens. Fixed step counts with Lite's ``commit`` step, whose
-   tokens per forward (the prefill counted; each append rides on the next canvas's first
-   pass, docs/design.md §4) is exactly ``M C / (1 + M T)``, just under ``C / T``; and adaptive stopping (``entropy``,
-   ``stable_confident``) up to ``adaptive_steps``. Wall-clock tokens/s against ``ar_generate``
+   tokens per forward (the prefill counted; each append rides on the next canvas's first pass,
+   docs/design.md §4) is exactly ``M C / (1 + M T)``, just under ``C / T``; and adaptive
+   stopping (``entropy``, ``stable_confident``) up to ``adaptive_steps``. Wall-clock tokens/s against ``ar_generate``
    (KV cache, greedy) of the AR baseline run given as ``ar_run`` (same backbone, trained the same
    way: configs/lite_debug_ar.py, configs/lite_343m_ar.py), or of the same weights when none is
    given (speed only). Tokens per forward is a property of the step schedule, not of the model:

@@ -404,7 +404,8 @@ def test_text_stream_counts_the_forwards_the_sampler_took(tiny_text_model):
     is appended within the next canvas's first pass, so it adds no forward (eval_ds.fuse_append)."""
     app = create_app(sudoku=None, text=tiny_text_model)
     with TestClient(app) as c:
-        with c.stream("POST", "/api/text/generate", json={"prompt": "the cat", "num_steps": 3, "seed": 0, "max_canvases": 3}) as r:
+        body = {"prompt": "the cat", "num_steps": 3, "seed": 0, "max_canvases": 3}
+        with c.stream("POST", "/api/text/generate", json=body) as r:
             evs = events(r.iter_lines())
     steps = [d for e, d in evs if e == "step"]
     assert len({d["canvas"] for d in steps}) > 1  # an untrained base runs to max_canvases
