@@ -231,7 +231,7 @@ class CanvasSampler:
                     n = done_ids.shape[1]
                     h = model(torch.cat([done_ids, state.tokens], 1), info=done_info.cat(noisy), cache=d.cache,
                               append=n, selfcond=selfcond, t=t, return_hidden=True)
-                    d.pending, ctx_cache = None, d.cache
+                    d.pending = None
                     d.before = h[:, n - 1] if d.before_idx is not None else None
                     hidden, before = h[:, n:], d.before
                 elif self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
