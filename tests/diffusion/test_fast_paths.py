@@ -325,6 +325,15 @@ class _ReadsAll(CommitStep):
         return None
 
 
+def absorbing_rows(width: int, seed: int):
+    """``(model, noise, prompt, valid, hints)``: the self-conditioned tiny model, absorbing noise,
+    8 random prompts of 5 tokens and free hints (``-1``) for two canvases of ``width``."""
+    model = tiny(self_conditioning=True)
+    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
+    prompt = torch.randint(2, V, (8, 5), generator=torch.Generator().manual_seed(seed))
+    return model, noise, prompt, torch.ones(8, 5, dtype=torch.bool), torch.full((8, 2 * width), -1)
+
+
 @pytest.mark.parametrize("steps", [4, 6])  # 3 or 2 commits a step in blocks of 4
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 @pytest.mark.parametrize("rule", ["commit", "commit_no_stable", "commit_margin", "commit_no_repeat", "confidence"])
@@ -335,12 +344,8 @@ def test_lm_head_where_the_step_reads_equals_everywhere(monkeypatch, rule, tempe
     import dgemma.diffusion.sampler as sampler_mod
     from dgemma.diffusion.steps import ConfidenceStep
 
-    model = tiny(self_conditioning=True)
-    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
     width = 12
-    prompt = torch.randint(2, V, (8, 5), generator=torch.Generator().manual_seed(1))
-    valid = torch.ones(8, 5, dtype=torch.bool)
-    hints = torch.full((8, 2 * width), -1)
+    model, noise, prompt, valid, hints = absorbing_rows(width, seed=1)
     hints[1, 5] = 9  # a pinned token in the middle of row 1's first canvas
     hints[2, 8] = 7  # a pinned stop token: EOS fill after it
 
@@ -391,12 +396,8 @@ def test_no_repeat_leaves_no_free_position_equal_to_a_neighbour(temperature):
     token, no two neighbours hold the same token unless both were pinned (commits in blocks at two
     steps a canvas, so a position can commit after its right neighbour); without the rule the same
     model and seed write such repeats."""
-    model = tiny(self_conditioning=True)
-    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
     width = 8
-    prompt = torch.randint(2, V, (8, 5), generator=torch.Generator().manual_seed(2))
-    valid = torch.ones(8, 5, dtype=torch.bool)
-    hints = torch.full((8, 2 * width), -1)
+    model, noise, prompt, valid, hints = absorbing_rows(width, seed=2)
     hints[0, 3] = 9
 
     def repeats(no_repeat: bool) -> int:
