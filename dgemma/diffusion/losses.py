@@ -59,44 +59,59 @@ def _check(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, chunk_
 
 
 class _ChunkedCE(torch.autograd.Function):
-    """Summed cross-entropy of ``softcap(h @ W.T)`` over rows of ``h``, chunk by chunk.
+    """Summed cross-entropy of ``softcap(h @ W.T)`` over rows of ``h``, chunk by chunk, and
+    (``certainty``) the summed entropy of the rows whose argmax is already the target.
 
-    Saves only the inputs and a per-row log-sum-exp; backward recomputes each chunk's logits.
+    Saves only the inputs and per-row statistics; backward recomputes each chunk's logits.
     With ``z = c * tanh(y / c)`` the gradient w.r.t. the raw logit ``y`` is
-    ``(softmax(z) - onehot) * (1 - tanh(y / c) ** 2)``.
+    ``(softmax(z) - onehot) * (1 - tanh(y / c) ** 2)`` for the cross-entropy, and
+    ``-p * (log p + H)`` (times the same factor) for an entropy ``H`` (the right-hand rows are
+    chosen in forward and held fixed, as a stop-gradient).
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int,
-                softcap: float | None, row_weights: Tensor | None = None) -> Tensor:
+                softcap: float | None, row_weights: Tensor | None = None, certainty: bool = False):
         cd = _compute_dtype(hidden, weight)
         rw = None if row_weights is None else row_weights.to(cd)
         w = weight.to(cd)
         total = torch.zeros((), dtype=cd, device=hidden.device)
-        lse_parts = []
+        ent_total = torch.zeros((), dtype=cd, device=hidden.device)
+        lse_parts, ent_parts, right_parts = [], [], []
         for s in range(0, hidden.shape[0], chunk):
             z = hidden[s:s + chunk].to(cd) @ w.T
             if softcap is not None:
                 z.div_(softcap).tanh_().mul_(softcap)
             lse = torch.logsumexp(z, dim=-1)
-            nll = lse - z.gather(1, targets[s:s + chunk, None]).squeeze(1)
+            tgt = targets[s:s + chunk, None]
+            nll = lse - z.gather(1, tgt).squeeze(1)
             total += (nll if rw is None else nll * rw[s:s + chunk]).sum()
             lse_parts.append(lse)
+            if certainty:  # H = lse - sum p z, kept only where argmax == target (0 elsewhere)
+                right = z.argmax(-1) == tgt.squeeze(1)
+                ent = lse - (torch.softmax(z, -1) * z).sum(-1)
+                ent = ent.where(right, torch.zeros_like(ent))
+                ent_total += ent.sum()
+                ent_parts.append(ent)
+                right_parts.append(right)
             del z
         lse_all = torch.cat(lse_parts) if lse_parts else hidden.new_zeros(0, dtype=cd)
         ctx.save_for_backward(hidden, weight, targets, lse_all)
         ctx.chunk, ctx.softcap, ctx.row_weights = chunk, softcap, rw
-        return total
+        ctx.ent = torch.cat(ent_parts) if ent_parts else None  # [N] H on the right rows, else 0
+        ctx.right = torch.cat(right_parts) if right_parts else None  # [N] argmax == target
+        return total, ent_total
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor, grad_ent: Tensor):
         hidden, weight, targets, lse_all = ctx.saved_tensors
         chunk, softcap = ctx.chunk, ctx.softcap
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cd = lse_all.dtype
         w = weight.to(cd)
         g = grad_out.to(cd)
+        ge = grad_ent.to(cd)
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=cd, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], chunk):
@@ -105,16 +120,25 @@ class _ChunkedCE(torch.autograd.Function):
             lse = lse_all[s:s + chunk, None]
             if softcap is not None:
                 t = y.div_(softcap).tanh_()
-                p = t.mul(softcap).sub_(lse).exp_()
+                logp = t.mul(softcap).sub_(lse)
             else:
-                p = y.sub_(lse).exp_()
+                logp = y.sub_(lse)
+            if ctx.ent is not None:  # d(gH)/dz = -g p (log p + H) on the right rows
+                ent, right = ctx.ent[s:s + chunk, None], ctx.right[s:s + chunk, None]
+                p = logp.exp()
+                cert = logp.add_(ent).mul_(p).mul_(-ge * right)
+            else:
+                p, cert = logp.exp_(), None
             idx = targets[s:s + chunk, None]
             p.scatter_(1, idx, p.gather(1, idx) - 1)
             p.mul_(g if ctx.row_weights is None else g * ctx.row_weights[s:s + chunk, None])
+            if cert is not None:
+                p.add_(cert)
+                del cert
             if softcap is not None:
                 p.mul_(t.square_().neg_().add_(1))
                 del t
-            del y
+            del y, logp
             if need_h:
                 grad_h[s:s + chunk] = (p @ w).to(hidden.dtype)
             if need_w:
@@ -122,7 +146,7 @@ class _ChunkedCE(torch.autograd.Function):
             del p
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
@@ -144,9 +168,28 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask:
     """
     _check(hidden, weight, targets, mask, chunk_tokens, softcap, weights)
     count = mask.sum()
-    loss_sum = _ChunkedCE.apply(hidden[mask], weight, targets[mask], chunk_tokens, softcap,
-                                None if weights is None else weights[mask])
+    loss_sum, _ = _ChunkedCE.apply(hidden[mask], weight, targets[mask], chunk_tokens, softcap,
+                                   None if weights is None else weights[mask])
     return loss_sum, count
+
+
+def chunked_certainty_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
+                                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None,
+                                    weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`chunked_cross_entropy` and, in the same pass over the logits, the *certainty* term
+    of certainty-forcing distillation (dParallel, Chen et al. 2025): the summed entropy of the
+    predicted distribution over the masked rows whose argmax is already the target.
+
+    Returns ``(loss_sum, count, certainty_sum)``. Minimising ``certainty_sum`` sharpens the
+    predictions the model already gets right, so that a confidence-thresholded sampler can
+    commit more of them in one pass; the rows it gets wrong are left to the cross-entropy. Which
+    rows are right is decided in forward and held fixed in backward (a stop-gradient). The
+    entropy is unweighted by ``weights`` (those weigh the cross-entropy only).
+    """
+    _check(hidden, weight, targets, mask, chunk_tokens, softcap, weights)
+    loss_sum, certainty_sum = _ChunkedCE.apply(hidden[mask], weight, targets[mask], chunk_tokens, softcap,
+                                               None if weights is None else weights[mask], True)
+    return loss_sum, mask.sum(), certainty_sum
 
 
 def full_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
@@ -165,6 +208,21 @@ def full_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Te
     if weights is not None:
         nll = nll * weights.to(cd)
     return (nll * mask).sum(), mask.sum()
+
+
+def full_certainty_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
+                                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None,
+                                 weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Eager reference for :func:`chunked_certainty_cross_entropy` (all ``[N, V]`` logits, autograd)."""
+    loss_sum, count = full_cross_entropy(hidden, weight, targets, mask, softcap=softcap, weights=weights)
+    cd = _compute_dtype(hidden, weight)
+    logits = hidden.to(cd) @ weight.to(cd).T
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logp = torch.log_softmax(logits, -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    right = mask & (logits.argmax(-1) == targets)
+    return loss_sum, count, (ent * right).sum()
 
 
 _IMPLS = {"chunked": chunked_cross_entropy, "full": full_cross_entropy}

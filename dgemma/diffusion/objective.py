@@ -16,7 +16,9 @@ Which canvases are decoded is the only difference between the adapter and Lite:
 ``"noised"`` only the corrupted ones (MDLM's masked loss, for absorbing noise). Pinned tokens
 (``canvas_hint >= 0``, infilling) are never corrupted nor scored. ``canvas_weight`` (the task's
 key tokens, ``diffusion.key_token_weight``) multiplies a scored token's loss in both losses; the
-normalising counts stay token counts.
+normalising counts stay token counts. ``certainty_weight`` (``diffusion.certainty_weight``) adds
+the entropy of the scored tokens the decoder already predicts right
+(:func:`dgemma.diffusion.losses.chunked_certainty_cross_entropy`), normalised as the diffusion loss.
 
 Losses come back as sums and counts so the trainer normalises by valid tokens across
 gradient-accumulation micro-steps and ranks.
@@ -30,7 +32,7 @@ import torch
 from torch import Tensor
 
 from dgemma.diffusion.corruption import block_states
-from dgemma.diffusion.losses import ar_loss, chunked_cross_entropy
+from dgemma.diffusion.losses import ar_loss, chunked_certainty_cross_entropy, chunked_cross_entropy
 from dgemma.diffusion.schedules import sample_t
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
 from dgemma.models.kv_cache import KVCache
@@ -63,11 +65,14 @@ class LossTerms:
     diffusion_count: Tensor
     ar_sum: Tensor
     ar_count: Tensor
+    certainty_sum: Tensor | None = None  # summed entropy of the rightly predicted noised tokens (if asked)
 
     def objective(self, diffusion_norm: Tensor | float, ar_norm: Tensor | float, ar_weight: float,
-                  diffusion_weight: float = 1.0) -> Tensor:
+                  diffusion_weight: float = 1.0, certainty_weight: float = 0.0) -> Tensor:
         """The scalar to back-propagate, normalised by *global* token counts (clamped to >= 1)."""
         loss = diffusion_weight * self.diffusion_sum / max(float(diffusion_norm), 1.0)
+        if certainty_weight and self.certainty_sum is not None:
+            loss = loss + certainty_weight * self.certainty_sum / max(float(diffusion_norm), 1.0)
         if ar_weight:
             loss = loss + ar_weight * self.ar_sum / max(float(ar_norm), 1.0)
         return loss
@@ -113,7 +118,10 @@ class DiffusionObjective:
     def __init__(self, *, noise, canvas_size: int, t_eps: float = 1e-4, selfcond_prob: float = 0.5,
                  ar_loss_weight: float = 1.0, decode: str = "one", chunk_tokens: int = 1024, loss_on: str = "all",
                  diffusion_loss_weight: float = 1.0, ar_loss_on: str = "all", block_noise_prob: float = 0.0,
-                 block_noise_size: int = 4):
+                 block_noise_size: int = 4, certainty_weight: float = 0.0):
+        if certainty_weight < 0:
+            raise ValueError(f"certainty_weight must be >= 0, got {certainty_weight}")
+        self.certainty_weight = certainty_weight
         if not 0.0 <= block_noise_prob <= 1.0:
             raise ValueError(f"block_noise_prob must be in [0, 1], got {block_noise_prob}")
         if block_noise_prob and (block_noise_size < 1 or canvas_size % block_noise_size):
@@ -245,10 +253,10 @@ class DiffusionObjective:
                 signal = expected_embedding(h0.reshape(-1, h0.shape[-1]), weight, softcap=softcap)
             selfcond = signal.view_as(h0) * use[:, None, None].to(h0.dtype)  # zero signal = off
         hd = align(model(xt, info=noisy, cache=cache, t=t, selfcond=selfcond, return_hidden=True))
-        d_sum, d_count = chunked_cross_entropy(hd.reshape(-1, hd.shape[-1]), weight, plan.x0.reshape(-1),
-                                               plan.target.reshape(-1), softcap=softcap,
-                                               chunk_tokens=self.chunk_tokens,
-                                               weights=None if plan.weight is None else plan.weight.reshape(-1))
+        ce = chunked_certainty_cross_entropy if self.certainty_weight else chunked_cross_entropy
+        d_sum, d_count, *cert = ce(hd.reshape(-1, hd.shape[-1]), weight, plan.x0.reshape(-1), plan.target.reshape(-1),
+                                   softcap=softcap, chunk_tokens=self.chunk_tokens,
+                                   weights=None if plan.weight is None else plan.weight.reshape(-1))
         if not self.ar_loss_weight and hidden is not None and hidden.requires_grad and _fsdp_layers(model):
             # Without the AR loss the encoder's output feeds no loss: its gradient arrives only
             # through the keys and values it wrote into the cache, and the last layer's output
@@ -259,7 +267,7 @@ class DiffusionObjective:
             # zero can change). Not needed, and skipped (its backward costs ~1/L of the
             # encoder's), without FSDP.
             d_sum = d_sum + hidden.sum() * 0.0
-        return LossTerms(d_sum, d_count, ar_sum, ar_count)
+        return LossTerms(d_sum, d_count, ar_sum, ar_count, *cert)
 
 
     def _aligner(self, model, batch: dict[str, Tensor], plan: Plan, hidden: Tensor | None):

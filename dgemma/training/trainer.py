@@ -116,15 +116,16 @@ def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, 
         # (rows that do not use it get the zero signal: same values, zero gradients).
         for pl, anywhere in zip(plans, stats[:, 2].tolist()):
             pl.first_pass = anywhere > 0
-    logged = torch.zeros(2, dtype=torch.float64)
+    logged = torch.zeros(3, dtype=torch.float64)  # diffusion, AR, certainty sums
     optimizer.zero_grad(set_to_none=True)
     for micro, batch in enumerate(batches):
         torch.manual_seed(derive_seed(seed, step, micro * world + rank, 7))  # dropout (LoRA): global RNG
         with _grad_sync(module, micro == len(batches) - 1), autocast():
             terms = LossTerms(**module(batch, plans[micro]))
-            loss = terms.objective(d_norm, a_norm, ar_weight, diffusion_weight) * world
+            loss = terms.objective(d_norm, a_norm, ar_weight, diffusion_weight, objective.certainty_weight) * world
         loss.backward()
-        logged += torch.tensor([terms.diffusion_sum.item(), terms.ar_sum.item()], dtype=torch.float64)
+        cert = 0.0 if terms.certainty_sum is None else terms.certainty_sum.item()
+        logged += torch.tensor([terms.diffusion_sum.item(), terms.ar_sum.item(), cert], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(logged)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -140,6 +141,9 @@ def train_step(module: nn.Module, batches: list[dict], optimizer, *, step: int, 
     d_loss, a_loss = logged[0].item() / max(d_norm, 1), logged[1].item() / max(a_norm, 1)
     out = {"diffusion_loss": d_loss, "ar_loss": a_loss, "loss": diffusion_weight * d_loss + ar_weight * a_loss,
            "grad_norm": float(grad_norm), "tokens": d_norm + a_norm}
+    if objective.certainty_weight:  # mean over the noised tokens (wrongly predicted ones count 0)
+        out["certainty"] = logged[2].item() / max(d_norm, 1)
+        out["loss"] += objective.certainty_weight * out["certainty"]
     out["finite"] = math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])
     if out["finite"]:
         optimizer.step()
@@ -208,7 +212,8 @@ def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
     return DiffusionObjective(noise=build_noise_for(cfg, model, tokenizer), canvas_size=d.canvas_size, t_eps=d.t_eps, selfcond_prob=d.selfcond_prob,
                               ar_loss_weight=d.ar_loss_weight, ar_loss_on=d.ar_loss_on, decode=d.decode, chunk_tokens=d.loss_chunk_tokens,
                               loss_on=d.loss_on, diffusion_loss_weight=d.diffusion_loss_weight,
-                              block_noise_prob=d.block_noise_prob, block_noise_size=d.block_noise_size)
+                              block_noise_prob=d.block_noise_prob, block_noise_size=d.block_noise_size,
+                              certainty_weight=d.certainty_weight)
 
 
 def build_train_data(cfg: Config, tokenizer):

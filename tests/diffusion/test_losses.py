@@ -8,8 +8,10 @@ from torch.utils._pytree import tree_flatten
 
 from dgemma.diffusion.losses import (
     ar_loss,
+    chunked_certainty_cross_entropy,
     chunked_cross_entropy,
     diffusion_loss,
+    full_certainty_cross_entropy,
     full_cross_entropy,
 )
 from dgemma.errors import DGemmaError
@@ -231,3 +233,53 @@ def test_ar_loss_weights_the_target_token():
         torch.testing.assert_close(loss_sum, nll[0] + 4 * nll[1] + nll[2], rtol=1e-12, atol=1e-12)
     with pytest.raises(DGemmaError, match="weights must have shape"):
         ar_loss(hidden, weight, ids, valid, weights=w[:, :3])
+
+
+def half_right(hidden, weight, targets, mask, softcap=None):
+    """Every other masked row's target becomes its argmax, so the certainty term has rows to see."""
+    logits = hidden.detach() @ weight.detach().T
+    rows = mask.nonzero().squeeze(1)[::2]
+    targets[rows] = logits[rows].argmax(-1)
+    return rows
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64])
+def test_certainty_chunked_matches_full_values_and_grads(softcap, chunk_tokens):
+    hidden, weight, targets, mask = make(50, 97, 12, torch.float64, scale=2.0)
+    rows = half_right(hidden, weight, targets, mask)
+    w = torch.rand(50, dtype=torch.float64) * 3
+    out = {}
+    for name, fn in [("full", full_certainty_cross_entropy), ("chunked", chunked_certainty_cross_entropy)]:
+        hidden.grad = weight.grad = None
+        loss_sum, count, cert = fn(hidden, weight, targets, mask, chunk_tokens=chunk_tokens, softcap=softcap,
+                                   weights=w)
+        ((0.3 * loss_sum + 1.7 * cert) / count).backward()
+        out[name] = (loss_sum.detach(), count, cert.detach(), hidden.grad.clone(), weight.grad.clone())
+    for g, r in zip(out["chunked"], out["full"]):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    # the cross-entropy part is chunked_cross_entropy's, and the certainty part sums only right rows
+    plain = chunked_cross_entropy(hidden, weight, targets, mask, chunk_tokens=chunk_tokens, softcap=softcap,
+                                  weights=w)[0]
+    torch.testing.assert_close(out["chunked"][0], plain, rtol=0, atol=0)
+    logits = hidden.detach() @ weight.detach().T
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    right = mask & (logits.argmax(-1) == targets)
+    assert right.sum() >= len(rows) > 5  # capped logits keep the argmax
+    ent = torch.distributions.Categorical(logits=logits).entropy()
+    torch.testing.assert_close(out["chunked"][2], ent[right].sum(), rtol=1e-12, atol=1e-12)
+
+
+def test_certainty_gradcheck_and_wrong_rows_only():
+    hidden, weight, targets, mask = make(9, 13, 5, torch.float64, scale=2.0)
+    half_right(hidden, weight, targets, mask)
+    fn = lambda h, W: chunked_certainty_cross_entropy(h, W, targets, mask, chunk_tokens=4, softcap=1.5)[2]
+    assert torch.autograd.gradcheck(fn, (hidden, weight))  # the right rows stay right under gradcheck's nudges
+    hidden, weight, targets, mask = make(20, 31, 8, torch.float64)
+    logits = hidden.detach() @ weight.detach().T
+    targets[mask] = (logits[mask].argmax(-1) + 1) % 31  # every row wrong: no certainty term, no gradient from it
+    loss_sum, _, cert = chunked_certainty_cross_entropy(hidden, weight, targets, mask, chunk_tokens=3)
+    assert cert.item() == 0.0
+    cert.backward()
+    assert hidden.grad.abs().max() == 0 and weight.grad.abs().max() == 0

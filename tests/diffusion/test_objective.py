@@ -326,3 +326,37 @@ def test_block_noise_settings_are_checked():
         DiffusionConfig(block_noise_prob=1.5)
     with pytest.raises(ValueError, match="block_noise_size"):
         objective(block_noise_prob=0.5, block_noise_size=3)
+
+
+def test_certainty_weight_adds_the_entropy_of_right_predictions(monkeypatch):
+    """``certainty_weight`` leaves the diffusion sum as it was and adds the full-logits reference's
+    certainty sum (the entropy of the scored tokens whose argmax is the target), weighted in the
+    objective; off, no certainty term is computed."""
+    from dgemma.diffusion import losses
+    from dgemma.diffusion.objective import LossTerms
+
+    model, b = tiny(), make_batch()
+    with torch.no_grad():  # layers add nothing: the tied head reads each visible (scored) token back
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+    seen = {}
+
+    def spy(h, w, x, m, **kw):
+        seen["ref"] = losses.full_certainty_cross_entropy(h.detach(), w.detach(), x, m, **kw)
+        return losses.chunked_certainty_cross_entropy(h, w, x, m, **kw)
+
+    monkeypatch.setattr(objective_mod, "chunked_certainty_cross_entropy", spy)
+    run = lambda **kw: objective(noise=AbsorbingNoise(0, LinearSchedule()), **kw)(  # noqa: E731
+        model, b, torch.Generator().manual_seed(2))
+    plain, cert = run(), run(certainty_weight=0.5)
+    assert plain.certainty_sum is None
+    assert cert.certainty_sum > 0
+    torch.testing.assert_close(cert.diffusion_sum, plain.diffusion_sum, rtol=0, atol=0)
+    torch.testing.assert_close(cert.certainty_sum, seen["ref"][2], rtol=1e-12, atol=1e-12)
+    terms = LossTerms(cert.diffusion_sum, cert.diffusion_count, cert.ar_sum, cert.ar_count, cert.certainty_sum)
+    norm = float(cert.diffusion_count)
+    want = cert.diffusion_sum / norm + cert.ar_sum / 3.0 + 0.5 * cert.certainty_sum / norm
+    torch.testing.assert_close(terms.objective(norm, 3.0, 1.0, 1.0, 0.5), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="certainty_weight"):
+        objective(certainty_weight=-1.0)
