@@ -350,6 +350,26 @@ def test_grad_accum_equals_one_big_batch(tmp_path):
     assert one["grad_norm"] > 0
 
 
+def test_certainty_weight_is_logged_and_added_to_the_loss(tmp_path):
+    """``diffusion.certainty_weight``: the step logs the certainty term, adds it to ``loss`` with its
+    weight, leaves the cross-entropy as it was and changes the gradient (same plan, fp64)."""
+    outs = []
+    for w in (0.0, 0.7):
+        cfg = config(FULL_TINY, tmp_path, f"--cfg.diffusion.certainty_weight={w}", "--cfg.diffusion.loss_on=all")
+        model, tok = build_model(cfg)
+        model = model.double()
+        objective = build_objective(cfg, model, tok)
+        opt = Capture(model.parameters(), lr=0.0)
+        out = train_step(TrainModule(model, objective), [build_train_data(cfg, tok).batch([0, 1])], opt, step=0,
+                         seed=0, rank=0, world=1, clip_norm=None, ar_weight=1.0, objective=objective)
+        outs.append((out, opt.grads))
+    (plain, g0), (cert, g1) = outs
+    assert "certainty" not in plain and cert["certainty"] > 0
+    assert cert["diffusion_loss"] == plain["diffusion_loss"] and cert["ar_loss"] == plain["ar_loss"]
+    assert cert["loss"] == pytest.approx(plain["loss"] + 0.7 * cert["certainty"], rel=1e-12)
+    assert any(not torch.equal(a, b) for a, b in zip(g0, g1))
+
+
 # --------------------------------------------------------------------------------- refusals
 def test_memory_precheck_refuses_an_absurd_batch(tmp_path):
     cfg = config(FULL_TINY, tmp_path, "--cfg.data.batch_size=10000000")
