@@ -60,24 +60,25 @@ def _check(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, chunk_
 
 class _ChunkedCE(torch.autograd.Function):
     """Summed cross-entropy of ``softcap(h @ W.T)`` over rows of ``h``, chunk by chunk, and
-    (``certainty``) the summed entropy of the rows whose argmax is already the target.
+    (``certainty=T``) the summed entropy ``H`` of ``q = softmax(z / T)`` over the rows whose argmax
+    is already the target.
 
     Saves only the inputs and per-row statistics; backward recomputes each chunk's logits.
     With ``z = c * tanh(y / c)`` the gradient w.r.t. the raw logit ``y`` is
     ``(softmax(z) - onehot) * (1 - tanh(y / c) ** 2)`` for the cross-entropy, and
-    ``-p * (log p + H)`` (times the same factor) for an entropy ``H`` (the right-hand rows are
-    chosen in forward and held fixed, as a stop-gradient).
+    ``-q * (log q + H) / T`` (times the same factor) for the entropy (the right rows are chosen
+    in forward and held fixed, as a stop-gradient).
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int,
-                softcap: float | None, row_weights: Tensor | None = None, certainty: bool = False):
+                softcap: float | None, row_weights: Tensor | None = None, certainty: float | None = None):
         cd = _compute_dtype(hidden, weight)
         rw = None if row_weights is None else row_weights.to(cd)
         w = weight.to(cd)
         total = torch.zeros((), dtype=cd, device=hidden.device)
         ent_total = torch.zeros((), dtype=cd, device=hidden.device)
-        lse_parts, ent_parts, right_parts = [], [], []
+        lse_parts, ent_parts, right_parts, lse_t_parts = [], [], [], []
         for s in range(0, hidden.shape[0], chunk):
             z = hidden[s:s + chunk].to(cd) @ w.T
             if softcap is not None:
@@ -87,10 +88,14 @@ class _ChunkedCE(torch.autograd.Function):
             nll = lse - z.gather(1, tgt).squeeze(1)
             total += (nll if rw is None else nll * rw[s:s + chunk]).sum()
             lse_parts.append(lse)
-            if certainty:  # H = lse - sum p z, kept only where argmax == target (0 elsewhere)
+            if certainty is not None:  # H = lse_T - sum q z / T, kept where argmax == target (0 elsewhere)
                 right = z.argmax(-1) == tgt.squeeze(1)
-                ent = lse - (torch.softmax(z, -1) * z).sum(-1)
+                zt = z / certainty
+                lse_t = torch.logsumexp(zt, dim=-1)
+                ent = lse_t - (torch.softmax(zt, -1) * zt).sum(-1)
                 ent = ent.where(right, torch.zeros_like(ent))
+                lse_t_parts.append(lse_t)
+                del zt
                 ent_total += ent.sum()
                 ent_parts.append(ent)
                 right_parts.append(right)
@@ -100,6 +105,8 @@ class _ChunkedCE(torch.autograd.Function):
         ctx.chunk, ctx.softcap, ctx.row_weights = chunk, softcap, rw
         ctx.ent = torch.cat(ent_parts) if ent_parts else None  # [N] H on the right rows, else 0
         ctx.right = torch.cat(right_parts) if right_parts else None  # [N] argmax == target
+        ctx.lse_t = torch.cat(lse_t_parts) if lse_t_parts else None  # [N] log-sum-exp of z / T
+        ctx.temperature = certainty
         return total, ent_total
 
     @staticmethod
@@ -123,10 +130,12 @@ class _ChunkedCE(torch.autograd.Function):
                 logp = t.mul(softcap).sub_(lse)
             else:
                 logp = y.sub_(lse)
-            if ctx.ent is not None:  # d(gH)/dz = -g p (log p + H) on the right rows
+            if ctx.ent is not None:  # d(gH)/dz = -g q (log q + H) / T on the right rows
                 ent, right = ctx.ent[s:s + chunk, None], ctx.right[s:s + chunk, None]
+                temp = ctx.temperature
                 p = logp.exp()
-                cert = logp.add_(ent).mul_(p).mul_(-ge * right)
+                logq = logp.add_(lse).div_(temp).sub_(ctx.lse_t[s:s + chunk, None])  # z / T - lse_T
+                cert = logq.exp().mul_(logq.add_(ent)).mul_(-ge * right / temp)
             else:
                 p, cert = logp.exp_(), None
             idx = targets[s:s + chunk, None]
@@ -175,10 +184,12 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask:
 
 def chunked_certainty_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
                                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None,
-                                    weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                    weights: Tensor | None = None,
+                                    temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`chunked_cross_entropy` and, in the same pass over the logits, the *certainty* term
     of certainty-forcing distillation (dParallel, Chen et al. 2025): the summed entropy of the
-    predicted distribution over the masked rows whose argmax is already the target.
+    predicted distribution at ``temperature`` (dParallel: 0.5) over the masked rows whose argmax
+    is already the target.
 
     Returns ``(loss_sum, count, certainty_sum)``. Minimising ``certainty_sum`` sharpens the
     predictions the model already gets right, so that a confidence-thresholded sampler can
@@ -187,8 +198,10 @@ def chunked_certainty_cross_entropy(hidden: Tensor, weight: Tensor, targets: Ten
     entropy is unweighted by ``weights`` (those weigh the cross-entropy only).
     """
     _check(hidden, weight, targets, mask, chunk_tokens, softcap, weights)
+    if not temperature > 0:
+        raise DGemmaError(f"certainty temperature must be positive, got {temperature}")
     loss_sum, certainty_sum = _ChunkedCE.apply(hidden[mask], weight, targets[mask], chunk_tokens, softcap,
-                                               None if weights is None else weights[mask], True)
+                                               None if weights is None else weights[mask], float(temperature))
     return loss_sum, mask.sum(), certainty_sum
 
 
@@ -212,15 +225,16 @@ def full_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Te
 
 def full_certainty_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
                                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None,
-                                 weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                 weights: Tensor | None = None,
+                                 temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Eager reference for :func:`chunked_certainty_cross_entropy` (all ``[N, V]`` logits, autograd)."""
     loss_sum, count = full_cross_entropy(hidden, weight, targets, mask, softcap=softcap, weights=weights)
     cd = _compute_dtype(hidden, weight)
     logits = hidden.to(cd) @ weight.to(cd).T
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    logp = torch.log_softmax(logits, -1)
-    ent = -(logp.exp() * logp).sum(-1)
+    logq = torch.log_softmax(logits / temperature, -1)
+    ent = -(logq.exp() * logq).sum(-1)
     right = mask & (logits.argmax(-1) == targets)
     return loss_sum, count, (ent * right).sum()
 

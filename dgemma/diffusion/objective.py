@@ -118,10 +118,11 @@ class DiffusionObjective:
     def __init__(self, *, noise, canvas_size: int, t_eps: float = 1e-4, selfcond_prob: float = 0.5,
                  ar_loss_weight: float = 1.0, decode: str = "one", chunk_tokens: int = 1024, loss_on: str = "all",
                  diffusion_loss_weight: float = 1.0, ar_loss_on: str = "all", block_noise_prob: float = 0.0,
-                 block_noise_size: int = 4, certainty_weight: float = 0.0):
-        if certainty_weight < 0:
-            raise ValueError(f"certainty_weight must be >= 0, got {certainty_weight}")
-        self.certainty_weight = certainty_weight
+                 block_noise_size: int = 4, certainty_weight: float = 0.0, certainty_temperature: float = 1.0):
+        if certainty_weight < 0 or not certainty_temperature > 0:
+            raise ValueError(f"certainty_weight must be >= 0 and certainty_temperature > 0, got {certainty_weight}, "
+                             f"{certainty_temperature}")
+        self.certainty_weight, self.certainty_temperature = certainty_weight, certainty_temperature
         if not 0.0 <= block_noise_prob <= 1.0:
             raise ValueError(f"block_noise_prob must be in [0, 1], got {block_noise_prob}")
         if block_noise_prob and (block_noise_size < 1 or canvas_size % block_noise_size):
@@ -253,10 +254,12 @@ class DiffusionObjective:
                 signal = expected_embedding(h0.reshape(-1, h0.shape[-1]), weight, softcap=softcap)
             selfcond = signal.view_as(h0) * use[:, None, None].to(h0.dtype)  # zero signal = off
         hd = align(model(xt, info=noisy, cache=cache, t=t, selfcond=selfcond, return_hidden=True))
-        ce = chunked_certainty_cross_entropy if self.certainty_weight else chunked_cross_entropy
+        ce, kw = chunked_cross_entropy, {}
+        if self.certainty_weight:
+            ce, kw = chunked_certainty_cross_entropy, {"temperature": self.certainty_temperature}
         d_sum, d_count, *cert = ce(hd.reshape(-1, hd.shape[-1]), weight, plan.x0.reshape(-1), plan.target.reshape(-1),
                                    softcap=softcap, chunk_tokens=self.chunk_tokens,
-                                   weights=None if plan.weight is None else plan.weight.reshape(-1))
+                                   weights=None if plan.weight is None else plan.weight.reshape(-1), **kw)
         if not self.ar_loss_weight and hidden is not None and hidden.requires_grad and _fsdp_layers(model):
             # Without the AR loss the encoder's output feeds no loss: its gradient arrives only
             # through the keys and values it wrote into the cache, and the last layer's output

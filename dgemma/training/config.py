@@ -97,6 +97,7 @@ class DiffusionConfig:
     block_noise_prob: float = 0.0  # share of rows noised as a left-to-right block sampler leaves a canvas
     block_noise_size: int = 4  # ... in blocks of this many positions (eval_ds.commit_block; corruption.py:block_states)
     certainty_weight: float = 0.0  # entropy of rightly predicted noised tokens (losses.py:chunked_certainty_cross_entropy)
+    certainty_temperature: float = 1.0  # ... of softmax(logits / this) (dParallel: 0.5)
 
     def __post_init__(self):
         _positive(self, "canvas_size", "num_canvases", "loss_chunk_tokens")
@@ -108,8 +109,9 @@ class DiffusionConfig:
             raise ValueError(f"t_eps must be in [0, 0.5), got {self.t_eps}")
         if not self.key_token_weight > 0:
             raise ValueError(f"key_token_weight must be positive, got {self.key_token_weight}")
-        if self.certainty_weight < 0:
-            raise ValueError(f"certainty_weight must be >= 0, got {self.certainty_weight}")
+        if self.certainty_weight < 0 or not self.certainty_temperature > 0:
+            raise ValueError(f"certainty_weight must be >= 0 and certainty_temperature > 0, got "
+                             f"{self.certainty_weight}, {self.certainty_temperature}")
         if self.ar_loss_weight < 0 or self.diffusion_loss_weight < 0:
             raise ValueError("ar_loss_weight and diffusion_loss_weight must be >= 0")
         if not self.ar_loss_weight and not self.diffusion_loss_weight:

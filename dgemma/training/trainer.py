@@ -213,7 +213,7 @@ def build_objective(cfg: Config, model, tokenizer) -> DiffusionObjective:
                               ar_loss_weight=d.ar_loss_weight, ar_loss_on=d.ar_loss_on, decode=d.decode, chunk_tokens=d.loss_chunk_tokens,
                               loss_on=d.loss_on, diffusion_loss_weight=d.diffusion_loss_weight,
                               block_noise_prob=d.block_noise_prob, block_noise_size=d.block_noise_size,
-                              certainty_weight=d.certainty_weight)
+                              certainty_weight=d.certainty_weight, certainty_temperature=d.certainty_temperature)
 
 
 def build_train_data(cfg: Config, tokenizer):

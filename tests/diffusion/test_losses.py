@@ -243,9 +243,10 @@ def half_right(hidden, weight, targets, mask, softcap=None):
     return rows
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 64])
-def test_certainty_chunked_matches_full_values_and_grads(softcap, chunk_tokens):
+def test_certainty_chunked_matches_full_values_and_grads(softcap, chunk_tokens, temperature):
     hidden, weight, targets, mask = make(50, 97, 12, torch.float64, scale=2.0)
     rows = half_right(hidden, weight, targets, mask)
     w = torch.rand(50, dtype=torch.float64) * 3
@@ -253,7 +254,7 @@ def test_certainty_chunked_matches_full_values_and_grads(softcap, chunk_tokens):
     for name, fn in [("full", full_certainty_cross_entropy), ("chunked", chunked_certainty_cross_entropy)]:
         hidden.grad = weight.grad = None
         loss_sum, count, cert = fn(hidden, weight, targets, mask, chunk_tokens=chunk_tokens, softcap=softcap,
-                                   weights=w)
+                                   weights=w, temperature=temperature)
         ((0.3 * loss_sum + 1.7 * cert) / count).backward()
         out[name] = (loss_sum.detach(), count, cert.detach(), hidden.grad.clone(), weight.grad.clone())
     for g, r in zip(out["chunked"], out["full"]):
@@ -267,15 +268,19 @@ def test_certainty_chunked_matches_full_values_and_grads(softcap, chunk_tokens):
         logits = torch.tanh(logits / softcap) * softcap
     right = mask & (logits.argmax(-1) == targets)
     assert right.sum() >= len(rows) > 5  # capped logits keep the argmax
-    ent = torch.distributions.Categorical(logits=logits).entropy()
+    ent = torch.distributions.Categorical(logits=logits / temperature).entropy()
     torch.testing.assert_close(out["chunked"][2], ent[right].sum(), rtol=1e-12, atol=1e-12)
 
 
 def test_certainty_gradcheck_and_wrong_rows_only():
     hidden, weight, targets, mask = make(9, 13, 5, torch.float64, scale=2.0)
     half_right(hidden, weight, targets, mask)
-    fn = lambda h, W: chunked_certainty_cross_entropy(h, W, targets, mask, chunk_tokens=4, softcap=1.5)[2]
-    assert torch.autograd.gradcheck(fn, (hidden, weight))  # the right rows stay right under gradcheck's nudges
+    for temperature in (1.0, 0.4):
+        fn = lambda h, W: chunked_certainty_cross_entropy(h, W, targets, mask, chunk_tokens=4, softcap=1.5,  # noqa
+                                                          temperature=temperature)[2]
+        assert torch.autograd.gradcheck(fn, (hidden, weight))  # the right rows stay right under gradcheck's nudges
+    with pytest.raises(DGemmaError, match="temperature must be positive"):
+        chunked_certainty_cross_entropy(hidden, weight, targets, mask, temperature=0.0)
     hidden, weight, targets, mask = make(20, 31, 8, torch.float64)
     logits = hidden.detach() @ weight.detach().T
     targets[mask] = (logits[mask].argmax(-1) + 1) % 31  # every row wrong: no certainty term, no gradient from it
