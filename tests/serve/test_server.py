@@ -399,17 +399,26 @@ def test_text_model_loads_on_first_request_and_streams_canvases(tiny_run):
     assert done["stats"]["tokens"] == len(evs[names.index("canvas")][1]["tokens"])
 
 
-def test_text_stream_counts_the_forwards_the_sampler_took(tiny_text_model):
+@pytest.mark.parametrize("fused", [True, False])
+def test_text_stream_counts_the_forwards_the_sampler_took(tiny_text_model, monkeypatch, fused):
     """Over several canvases the streamed forward count is the sampler's own: each finished canvas
-    is appended within the next canvas's first pass, so it adds no forward (eval_ds.fuse_append)."""
+    is appended within the next canvas's first pass, so it adds no forward (eval_ds.fuse_append);
+    appended apart, each costs one."""
+    import functools
+
+    import dgemma.serve.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "SamplerConfig", functools.partial(engine_mod.SamplerConfig, fuse_append=fused))
     app = create_app(sudoku=None, text=tiny_text_model)
     with TestClient(app) as c:
         body = {"prompt": "the cat", "num_steps": 3, "seed": 0, "max_canvases": 3}
         with c.stream("POST", "/api/text/generate", json=body) as r:
             evs = events(r.iter_lines())
     steps = [d for e, d in evs if e == "step"]
-    assert len({d["canvas"] for d in steps}) > 1  # an untrained base runs to max_canvases
-    assert steps[-1]["forwards"] == evs[-1][1]["stats"]["forward_passes"] == 1 + len(steps)
+    canvases = len({d["canvas"] for d in steps})
+    assert canvases > 1  # an untrained base runs to max_canvases
+    appends = 0 if fused else canvases - 1
+    assert steps[-1]["forwards"] == evs[-1][1]["stats"]["forward_passes"] == 1 + len(steps) + appends
 
 
 # ------------------------------------------------------------------------------------- live server
