@@ -39,7 +39,8 @@ VARIANTS += [(f"S={n} block 4, no repeat", "commit", n, {"commit_no_repeat": Tru
 VARIANTS += [(f"S={n} block 4, no repeat, no self-conditioning", "commit", n,
               {"commit_no_repeat": True, "self_condition": False}) for n in (16, 8, 4)]
 VARIANTS += [(f"p>{p} block {b or 'none'}, S<=32", "confidence", 32, {"confidence_threshold": p, "commit_block": b})
-             for p, b in [(0.9, 4), (0.7, 4), (0.5, 4), (0.3, 4), (0.9, 8), (0.7, 8), (0.9, None)]]
+             for p, b in [(0.9, 4), (0.7, 4), (0.5, 4), (0.3, 4), (0.9, 8), (0.7, 8), (0.9, None), (0.7, None),
+                          (0.5, None)]]  # dParallel decodes at 0.5 over a whole 32-token block
 
 
 def main() -> None:
