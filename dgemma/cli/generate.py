@@ -46,6 +46,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                               "else its first eval_ds.steps)")
     p.add_argument("--step-type", choices=["ddim", "commit", "confidence", "entropy_bound"])
     p.add_argument("--temperature", type=float)
+    p.add_argument("--threshold", type=float, metavar="P",
+                   help="confidence step: commit every position whose probability exceeds P (default: the run's, "
+                        "else 0.9)")
     p.add_argument("--early-stopping", choices=["none", "entropy", "stable_confident"])
     p.add_argument("--canvases", type=int, help="canvases at most (default: the run's)")
     p.add_argument("--no-self-condition", dest="self_condition", action="store_false", default=None,
@@ -63,6 +66,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("steps", "canvases", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DGemmaError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threshold is not None and not 0.0 <= args.threshold <= 1.0:
+        raise DGemmaError(f"--threshold must lie in [0, 1], got {args.threshold}")
     return args
 
 
@@ -123,6 +128,7 @@ def run(argv: list[str]) -> int:
         print("[dgemma] " + UNTRAINED_WARNING.format(src=source), file=sys.stderr)
     settings = model.settings(SamplerConfig(num_steps=args.steps, step_type=args.step_type, temperature=args.temperature,
                                             early_stopping=args.early_stopping, max_canvases=args.canvases,
+                                            confidence_threshold=args.threshold,
                                             self_condition=args.self_condition, commit_no_repeat=args.no_repeat))
     outputs = model.generate(records, settings, batch_size=args.batch_size, seed=args.seed)
     out = open(args.out, "w", encoding="utf-8") if args.out else None

@@ -38,6 +38,12 @@ def test_run_prompts_jsonl_and_seed(tiny_run, tmp_path):
     assert all(json.loads(x)["settings"]["self_condition"] is False for x in plain.read_text().splitlines())
     assert all(json.loads(x)["settings"]["commit_no_repeat"] is True for x in plain.read_text().splitlines())
     assert all(x["settings"]["commit_no_repeat"] is False for x in rows)  # the run's default
+    conf = tmp_path / "conf.jsonl"
+    r = cli("--checkpoint", str(tiny_run), "--file", str(prompts), "--out", str(conf), "--steps", "4",
+            "--step-type", "confidence", "--threshold", "0.5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert all((s["step_type"], s["confidence_threshold"]) == ("confidence", 0.5)
+               for s in (json.loads(x)["settings"] for x in conf.read_text().splitlines()))
 
 
 def test_unadapted_base_warns(tiny_text_model):
@@ -56,6 +62,8 @@ def test_bad_input_is_one_clear_error(tmp_path):
         generate.read_prompts(args)
     with pytest.raises(DGemmaError, match="--steps must be >= 1"):
         generate.parse(["x", "--steps", "0"])
+    with pytest.raises(DGemmaError, match=r"--threshold must lie in \[0, 1\], got 1.5"):
+        generate.parse(["x", "--threshold", "1.5"])
 
 
 def test_examples_shipped_with_a_model(tiny_run, tmp_path):
