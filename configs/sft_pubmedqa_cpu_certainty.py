@@ -16,7 +16,8 @@ at step 80, on 32 test questions, the confidence step commits 1.19 / 1.45 tokens
 0.9 / 0.7 in blocks of 4. The shipped adapter commits 1.00 / 1.02 and the distilled student 1.06
 at 0.9. BLEU is 2.3-2.6, and the verdict sits at the AR fine-tune's 37.5% or under. A step, far
 from the ~3.2 tokens a pass that issue #17 needs: not shipped. dParallel's own weights (2, at
-temperature 0.5) diverged here within 6 steps.
+temperature 0.5) diverged here within 6 steps. 80 more steps of this recipe (data seed 1) gave
+1.29 / 1.41 tokens a pass, with BLEU falling to 1.45 / 1.17.
 
 Deviations from ``configs/sft_pubmedqa_cpu_distill.py`` (itself this folder's second-stage recipe):
 
