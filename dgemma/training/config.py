@@ -96,7 +96,7 @@ class DiffusionConfig:
     key_token_weight: float = 1.0  # loss weight of the tokens the task's metric reads (Task.key_tokens); 1 = off
     block_noise_prob: float = 0.0  # share of rows noised as a left-to-right block sampler leaves a canvas
     block_noise_size: int = 4  # ... in blocks of this many positions (eval_ds.commit_block; corruption.py:block_states)
-    certainty_weight: float = 0.0  # entropy of rightly predicted noised tokens (losses.py:chunked_certainty_cross_entropy)
+    certainty_weight: float = 0.0  # + entropy of right predictions (losses.py:chunked_certainty_cross_entropy); 0 = off
     certainty_temperature: float = 1.0  # ... of softmax(logits / this) (dParallel: 0.5)
 
     def __post_init__(self):
