@@ -90,9 +90,9 @@ class _ChunkedCE(torch.autograd.Function):
             lse_parts.append(lse)
             if certainty is not None:  # H = lse_T - sum q z / T, kept where argmax == target (0 elsewhere)
                 right = z.argmax(-1) == tgt.squeeze(1)
-                zt = z / certainty
+                zt = z if certainty == 1.0 else z / certainty
                 lse_t = torch.logsumexp(zt, dim=-1)
-                ent = lse_t - (torch.softmax(zt, -1) * zt).sum(-1)
+                ent = lse_t - torch.softmax(zt, -1).mul_(zt).sum(-1)  # one more [chunk, V] (two at T != 1)
                 ent = ent.where(right, torch.zeros_like(ent))
                 lse_t_parts.append(lse_t)
                 del zt
