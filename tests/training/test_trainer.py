@@ -300,6 +300,9 @@ class RowwisePlans:
     def __init__(self, inner):
         self.inner = inner
 
+    def __getattr__(self, name):  # every setting (certainty_weight, ...) is the real objective's
+        return getattr(self.inner, name)
+
     def plan(self, batch, generator):
         rows = [self.inner.plan({k: v[i:i + 1] for k, v in batch.items() if k != "seed"},
                                 torch.Generator().manual_seed(int(batch["seed"][i])))
