@@ -254,7 +254,9 @@ def estimate_memory(model: nn.Module, cfg: Config) -> dict[str, int]:
         "optimizer": opt,
         "activations": tokens * per_token_layer * mc.num_hidden_layers * act_bytes,
         "attention scores": scores,
-        "loss chunks": 3 * cfg.diffusion.loss_chunk_tokens * mc.vocab_size * 4,
+        # fp32 [chunk, V] tensors live at once in the chunked loss's backward; the certainty term adds one
+        "loss chunks": (4 if cfg.diffusion.certainty_weight else 3) * cfg.diffusion.loss_chunk_tokens
+                       * mc.vocab_size * 4,
     }
 
 
