@@ -205,6 +205,20 @@ def chunked_certainty_cross_entropy(hidden: Tensor, weight: Tensor, targets: Ten
     return loss_sum, mask.sum(), certainty_sum
 
 
+def _full_logits(hidden: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
+    """All ``[N, V]`` logits in the compute dtype, soft-capped (the eager references only)."""
+    cd = _compute_dtype(hidden, weight)
+    logits = hidden.to(cd) @ weight.to(cd).T
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _full_nll(logits: Tensor, targets: Tensor, mask: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+    nll = F.cross_entropy(logits, targets.masked_fill(~mask, 0), reduction="none")
+    if weights is not None:
+        nll = nll * weights.to(logits.dtype)
+    return (nll * mask).sum(), mask.sum()
+
+
 def full_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None,
                        weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -213,14 +227,7 @@ def full_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Te
     Same signature and results (``chunk_tokens`` is accepted and ignored); kept for tests.
     """
     _check(hidden, weight, targets, mask, chunk_tokens, softcap, weights)
-    cd = _compute_dtype(hidden, weight)
-    logits = hidden.to(cd) @ weight.to(cd).T
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    nll = F.cross_entropy(logits, targets.masked_fill(~mask, 0), reduction="none")
-    if weights is not None:
-        nll = nll * weights.to(cd)
-    return (nll * mask).sum(), mask.sum()
+    return _full_nll(_full_logits(hidden, weight, softcap), targets, mask, weights)
 
 
 def full_certainty_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor, *,
@@ -228,11 +235,9 @@ def full_certainty_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor
                                  weights: Tensor | None = None,
                                  temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Eager reference for :func:`chunked_certainty_cross_entropy` (all ``[N, V]`` logits, autograd)."""
-    loss_sum, count = full_cross_entropy(hidden, weight, targets, mask, softcap=softcap, weights=weights)
-    cd = _compute_dtype(hidden, weight)
-    logits = hidden.to(cd) @ weight.to(cd).T
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+    _check(hidden, weight, targets, mask, chunk_tokens, softcap, weights)
+    logits = _full_logits(hidden, weight, softcap)
+    loss_sum, count = _full_nll(logits, targets, mask, weights)
     logq = torch.log_softmax(logits / temperature, -1)
     ent = -(logq.exp() * logq).sum(-1)
     right = mask & (logits.argmax(-1) == targets)
