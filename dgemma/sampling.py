@@ -57,6 +57,7 @@ class SamplerConfig:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit at every step ({} = none)
     self_condition: bool | None = None  # feed the last prediction back (default True; False: a zero signal)
     fuse_append: bool | None = None  # append a canvas in the next one's first pass (default True; same numbers)
+    prefix: tuple[int, ...] | None = None  # response tokens pinned at the start of every answer (() = none)
 
     def merged(self, defaults: "SamplerConfig") -> "SamplerConfig":
         """This config with every ``None`` field taken from ``defaults``."""
@@ -94,7 +95,7 @@ def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
                          entropy_bound=e.entropy_bound, stability_threshold=e.stability_threshold,
                          stop_confidence_threshold=e.stop_confidence_threshold, stop_alias_cos=e.stop_alias_cos,
                          logit_bias=resolve_logit_bias(e.logit_bias, tokenizer), self_condition=e.self_condition,
-                         fuse_append=e.fuse_append)
+                         fuse_append=e.fuse_append, prefix=resolve_prefix(e.response_prefix, tokenizer))
 
 
 def interactive_defaults(e) -> tuple[int, str]:
@@ -126,10 +127,34 @@ def resolve_logit_bias(bias: dict[str, float] | None, tokenizer) -> dict[int, fl
     return out
 
 
+def resolve_prefix(text: str | None, tokenizer) -> tuple[int, ...]:
+    """``eval_ds.response_prefix`` (or ``dgemma generate --prefix``) as the token ids every answer
+    starts with; ``()`` for None. The ids are the text's own tokenization, so a prefix must end
+    where the answers' tokens do (PubMedQA's ``"The answer is:"``, not ``"The answer is: "``: its
+    verdicts are the tokens `` yes`` / `` no``); :func:`check_prefix` tests it against references."""
+    if text is None:
+        return ()
+    if not text:
+        raise DGemmaError("the response prefix is empty: give the text every answer starts with, or leave it unset")
+    if tokenizer is None:
+        raise DGemmaError("a response prefix is text: resolving it needs the run's tokenizer")
+    return tuple(tokenizer.encode(text))
+
+
+def check_prefix(prefix: tuple[int, ...], references: list[list[int]], tokenizer) -> None:
+    """Refuse a prefix that is not how the reference answers ``references`` (token ids) begin:
+    pinned, it would force a tokenization the model never saw, and no answer could match."""
+    for i, ref in enumerate(references):
+        if tuple(ref[:len(prefix)]) != prefix:
+            raise DGemmaError(f"the response prefix {tokenizer.decode(list(prefix))!r} {list(prefix)} is not how "
+                              f"reference answer {i} begins: {tokenizer.decode(ref[:len(prefix) + 2])!r} "
+                              f"{ref[:len(prefix) + 2]} (a prefix must end at a token boundary of the answers)")
+
+
 RULE_DEFAULTS = SamplerConfig(entropy_threshold=0.05, min_stop_prob=0.0, confidence_threshold=0.9, entropy_bound=0.1,
                               commit_order="confidence", commit_stable_first=True, commit_no_repeat=False,
                               stability_threshold=1, stop_confidence_threshold=0.005, top_p=1.0,
-                              entropy_t_max=0.8, entropy_t_min=0.4, self_condition=True, fuse_append=True)
+                              entropy_t_max=0.8, entropy_t_min=0.4, self_condition=True, fuse_append=True, prefix=())
 """The step and stopping rules' own defaults (those of their constructors)."""
 
 
@@ -175,7 +200,8 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
                          max_canvases=cfg.max_canvases, stop=stop, stop_ids=stop_ids,
                          min_stop_prob=cfg.min_stop_prob, stop_alias_cos=cfg.stop_alias_cos,
                          logit_bias=dict(cfg.logit_bias or {}), temperature=signal_temperature(cfg),
-                         self_condition=cfg.self_condition, fuse_append=cfg.fuse_append, **engine)
+                         self_condition=cfg.self_condition, fuse_append=cfg.fuse_append, prefix=tuple(cfg.prefix),
+                         **engine)
 
 
 def signal_temperature(cfg: SamplerConfig) -> float:

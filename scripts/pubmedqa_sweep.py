@@ -53,14 +53,18 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", nargs="*", help="only the rows whose name starts with one of these (the AR row: 'AR')")
+    p.add_argument("--prefix", help="a forced response prefix for both decoders, e.g. 'The answer is:' "
+                                    "(eval_ds.response_prefix)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     diff = load_run(Path(args.workdir), step=args.step, dtype=args.dtype)
+    diff.cfg.eval_ds = dataclasses.replace(diff.cfg.eval_ds, response_prefix=args.prefix)
     task = get_task("pubmedqa").configure(diff.cfg)
     questions = task.load(diff.cfg, "test", limit=args.questions)
     base = diff.cfg.eval_ds
     dtype = next(diff.model.parameters()).dtype
-    print(f"{len(questions)} test questions, batch {args.batch}, {dtype}, LoRA {diff.lora}\n")
+    print(f"{len(questions)} test questions, batch {args.batch}, {dtype}, LoRA {diff.lora}, "
+          f"response prefix {args.prefix!r}\n")
     print("| row | tok/fwd | s | accuracy | unparsed | BLEU | macro-F1 |\n|---|---|---|---|---|---|---|")
 
     def show(name: str, run, gen, steps: int = 0) -> None:
@@ -74,6 +78,7 @@ def main() -> None:
 
     if wanted("AR"):
         ar = load_run(Path(args.ar), dtype=args.dtype)
+        ar.cfg.eval_ds = dataclasses.replace(ar.cfg.eval_ds, response_prefix=args.prefix)
         ar_tokens = ar.cfg.diffusion.canvas_size * harness.max_canvases(ar.cfg)
         show("AR fine-tune", ar, harness.generate_ar(ar, task, questions, batch_size=args.batch,
                                                      max_new_tokens=ar_tokens))

@@ -34,6 +34,7 @@ within ``local_s`` seconds of the row (on a shared machine the load drifts over 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -49,7 +50,7 @@ from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
 from dgemma.eval import harness  # the run's own sampler, as dgemma eval builds it
-from dgemma.sampling import SamplerConfig, build_sampler, max_canvases
+from dgemma.sampling import SamplerConfig, build_sampler, max_canvases, resolve_prefix
 from dgemma.tasks import get_task
 from dgemma.tasks.sudoku import generate_eval_puzzles
 
@@ -593,6 +594,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
     batches = ((1, questions[:sz["pubmedqa_b1"]]), (len(questions), questions))
     canvases = sz["pubmedqa_canvases"]  # None: the runs' own (--quick: one canvas)
     ar_tokens = ar.cfg.diffusion.canvas_size * (canvases or max_canvases(ar.cfg))
+    ar.cfg.eval_ds = dataclasses.replace(ar.cfg.eval_ds, response_prefix=e.response_prefix)  # both or neither
     # what the run decodes with; a row that differs is named "no signal" (a model without the block has no signal)
     default_signal = bool(e.self_condition) and diff.model.self_conditioning is not None
     result["settings"]["pubmedqa"] = {
@@ -605,6 +607,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
                    f"self-conditioning {'on' if default_signal else 'off'}, no early stop: the shipped "
                    f"evaluations' setting); a self-conditioned run's rows again without the signal ('no signal')",
         "ar": f"greedy, our cache, at most {ar_tokens} tokens, the task's stop tokens",
+        "response_prefix": e.response_prefix,  # pinned / prefilled for both decoders (eval_ds.response_prefix)
     }
     rows: list[dict] = []
     ar_rows: dict[int, dict] = {}
@@ -625,7 +628,8 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         rows.append(row)
 
     def ar_row(b: int, recs: list[dict]) -> None:
-        harness.generate_ar(ar, task, recs, batch_size=b, max_new_tokens=4)  # warm-up
+        warm = 4 + len(resolve_prefix(ar.cfg.eval_ds.response_prefix, ar.tokenizer))  # 4 tokens after any prefix
+        harness.generate_ar(ar, task, recs, batch_size=b, max_new_tokens=warm)  # warm-up
         ctx.say(f"decode pubmedqa: ar b{b}")
         add(f"pubmedqa ar b{b}", "ar", ar, harness.generate_ar(ar, task, recs, batch_size=b, max_new_tokens=ar_tokens),
             b, None)

@@ -57,6 +57,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-repeat", dest="no_repeat", action="store_true", default=None,
                    help="commit step: no token equal to a neighbour's, the runner-up instead "
                         "(docs/concepts/samplers.md)")
+    p.add_argument("--prefix", metavar="TEXT",
+                   help="text every answer starts with, pinned at the start of the first canvas (e.g. the shipped "
+                        "adapter's \"The answer is:\"); it must end where the answers' tokens do")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -68,6 +71,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
             raise DGemmaError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.threshold is not None and not 0.0 <= args.threshold <= 1.0:
         raise DGemmaError(f"--threshold must lie in [0, 1], got {args.threshold}")
+    if args.prefix is not None and not args.prefix:
+        raise DGemmaError("--prefix is empty: give the text every answer starts with, or leave it out")
     return args
 
 
@@ -120,7 +125,7 @@ def run(argv: list[str]) -> int:
         bad = [k for k in args.example if not 0 <= k < len(examples)]
         if bad:
             raise DGemmaError(f"--example {bad[0]}: the model has examples 0..{len(examples) - 1}")
-    from dgemma.sampling import SamplerConfig, load_model  # after parse: --help loads no torch
+    from dgemma.sampling import SamplerConfig, load_model, resolve_prefix  # after parse: --help loads no torch
 
     records = read_prompts(args) + [examples[k] for k in args.example or []]
     model = load_model(source, dtype=args.dtype, pretrained=bool(args.pretrained))
@@ -129,7 +134,9 @@ def run(argv: list[str]) -> int:
     settings = model.settings(SamplerConfig(num_steps=args.steps, step_type=args.step_type, temperature=args.temperature,
                                             early_stopping=args.early_stopping, max_canvases=args.canvases,
                                             confidence_threshold=args.threshold,
-                                            self_condition=args.self_condition, commit_no_repeat=args.no_repeat))
+                                            self_condition=args.self_condition, commit_no_repeat=args.no_repeat,
+                                            prefix=None if args.prefix is None else resolve_prefix(args.prefix,
+                                                                                                   model.tokenizer)))
     outputs = model.generate(records, settings, batch_size=args.batch_size, seed=args.seed)
     out = open(args.out, "w", encoding="utf-8") if args.out else None
     try:

@@ -111,6 +111,9 @@ class CanvasSampler:
     # numbers; DiffusionGemma.forward's ``append``); False: a forward of its own, as the SPEC draws it
     fuse_append: bool = True
     self_condition: bool = True  # feed each step's prediction to the next (False: the zero signal of a first step)
+    # response tokens pinned at the start of every row's first canvas (a forced prefix: an answer
+    # template's fixed words); :func:`ar_generate`'s ``prefix`` gives the AR baseline the same
+    prefix: tuple[int, ...] = ()
     record: bool = False
     # Optional per-step callback, called after every denoising step with keyword arguments
     # canvas, step, t, rows (original row indices of the rows in this step), tokens, committed,
@@ -142,8 +145,11 @@ class CanvasSampler:
     @torch.no_grad()
     def __call__(self, model, prompt_ids: Tensor, prompt_valid: Tensor, *, generator: torch.Generator,
                  hints: Tensor | None = None) -> SampleResult:
-        """``hints [B, max_canvases * C]`` pins known tokens (``-1`` = free), e.g. Sudoku clues."""
+        """``hints [B, max_canvases * C]`` pins known tokens (``-1`` = free), e.g. Sudoku clues; the
+        sampler's ``prefix`` is pinned on top of them (:func:`pin_prefix`)."""
         t0 = time.perf_counter()
+        hints = pin_prefix(hints, self.prefix, prompt_ids.shape[0], self.max_canvases * self.canvas_size,
+                           device=prompt_ids.device)
         d = self.prefill(model, prompt_ids, prompt_valid)
         for k in range(self.max_canvases):
             canvas = self.denoise_canvas(model, d, k, generator=generator, hints=hints)
@@ -356,6 +362,47 @@ class Decoding:
     pending: tuple[Tensor, TokenInfo] | None = None  # a finished canvas [A, C] not yet in the cache (fuse_append)
     pos: Tensor | None = None  # [A, C] positions of the current canvas
     blocks: Tensor | None = None  # [A, C] its block id
+
+
+def pin_prefix(hints: Tensor | None, prefix: tuple[int, ...], rows: int, width: int, device=None) -> Tensor | None:
+    """``hints [rows, width]`` with ``prefix`` pinned at every row's first response positions, or
+    ``hints`` as given when there is no prefix. ``hints=None``, ``prefix=(7, 8)``, 2 rows, width 3
+    -> ``[[7, 8, -1], [7, 8, -1]]``. A hint that pins another token where the prefix goes is
+    refused: ``[[-1, -1, 5], [-1, 9, -1]]`` with the same prefix (row 1 pins 9 where 8 goes)."""
+    if not prefix:
+        return hints
+    k = len(prefix)
+    if k >= width:
+        raise DGemmaError(f"the response prefix is {k} tokens; the canvases hold {width}, so nothing would be left "
+                          f"to generate")
+    p = torch.tensor(prefix, dtype=torch.long, device=device)
+    out = torch.full((rows, width), -1, dtype=torch.long, device=device) if hints is None else hints.clone()
+    head = out[:, :k]
+    clash = ((head >= 0) & (head != p)).nonzero()
+    if clash.numel():
+        r, i = clash[0].tolist()
+        raise DGemmaError(f"the response prefix puts token {prefix[i]} at position {i}, where row {r}'s hints pin "
+                          f"{int(head[r, i])}")
+    out[:, :k] = p
+    return out
+
+
+def prefixed_prompts(prompt_ids: Tensor, prompt_valid: Tensor, prefix: tuple[int, ...],
+                     pad_id: int = 0) -> tuple[Tensor, Tensor]:
+    """Each right-padded prompt followed by ``prefix``, right-padded again: ``ids [[1, 2], [3, 0]]``,
+    ``valid [[1, 1], [1, 0]]``, ``prefix (7,)`` -> ``ids [[1, 2, 7], [3, 7, 0]]``, ``valid [[1, 1, 1], [1, 1, 0]]``.
+    How the AR decoder takes a forced response prefix: in its prefill, at no step's cost."""
+    b, p = prompt_ids.shape
+    k, dev = len(prefix), prompt_ids.device
+    lens = prompt_valid.long().sum(-1)
+    ids = torch.full((b, p + k), pad_id, dtype=prompt_ids.dtype, device=dev)
+    valid = torch.zeros(b, p + k, dtype=torch.bool, device=dev)
+    ids[:, :p] = torch.where(prompt_valid, prompt_ids, pad_id)
+    valid[:, :p] = prompt_valid
+    at = lens[:, None] + torch.arange(k, device=dev)[None, :]  # [B, k] where each row's prefix goes
+    ids.scatter_(1, at, torch.tensor(prefix, dtype=prompt_ids.dtype, device=dev).expand(b, k))
+    valid.scatter_(1, at, True)
+    return ids, valid
 
 
 def gate_stop_tokens(logits: Tensor, stop_ids: tuple[int, ...], min_prob: float) -> Tensor:
@@ -592,14 +639,24 @@ class ARResult:
 def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_tokens: int,
                 stop_ids: tuple[int, ...] = (), temperature: float = 0.0,
                 generator: torch.Generator | None = None, stop_alias_cos: float | None = None,
-                logit_bias: dict[int, float] | None = None) -> ARResult:
+                logit_bias: dict[int, float] | None = None, prefix: tuple[int, ...] = ()) -> ARResult:
     """Token-by-token decoding through the same KV cache (greedy at ``temperature=0``);
     ``stop_alias_cos`` folds the stop tokens' aliases into them and ``logit_bias`` shifts the
-    named tokens' logits (:func:`add_logit_bias`), as the canvas sampler does."""
+    named tokens' logits (:func:`add_logit_bias`), as the canvas sampler does.
+
+    ``prefix``: response tokens every answer starts with, as the canvas sampler pins them
+    (``CanvasSampler.prefix``). They join the prompt's prefill (:func:`prefixed_prompts`), begin
+    every row's tokens and count towards ``max_new_tokens``, as pinned tokens fill a canvas."""
     t0 = time.perf_counter()
+    prompt_valid = prompt_valid.bool()
+    if prefix:
+        if len(prefix) >= max_new_tokens:
+            raise DGemmaError(f"the response prefix is {len(prefix)} tokens; max_new_tokens={max_new_tokens} leaves "
+                              f"nothing to generate")
+        prompt_ids, prompt_valid = prefixed_prompts(prompt_ids, prompt_valid, prefix, model.config.pad_token_id or 0)
+        max_new_tokens -= len(prefix)
     b, p = prompt_ids.shape
     dev = prompt_ids.device
-    prompt_valid = prompt_valid.bool()
     cache = KVCache(b, p + max_new_tokens)
     hidden = model(prompt_ids, info=TokenInfo.clean(prompt_valid), cache=cache, return_hidden=True)
     last = prompt_valid.long().sum(-1) - 1
@@ -607,7 +664,7 @@ def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_toke
     logits = fold_aliases(model.logits(hidden[torch.arange(b, device=dev), last]), aliases)  # [B, V]: one position a row
     logits = add_logit_bias(logits, logit_bias)
     pos = last + 1
-    out: list[list[int]] = [[] for _ in range(b)]
+    out: list[list[int]] = [list(prefix) for _ in range(b)]
     fwd = [1] * b
     rows = list(range(b))  # the batch rows still decoding: the per-token bookkeeping stays on the host
     stops = set(stop_ids)

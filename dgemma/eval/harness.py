@@ -38,7 +38,8 @@ from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import evaluate_verified
 from dgemma.eval.visualize import visualize_example
-from dgemma.sampling import build_sampler as build, eval_settings, max_canvases, resolve_logit_bias
+from dgemma.sampling import (build_sampler as build, check_prefix, eval_settings, max_canvases, resolve_logit_bias,
+                             resolve_prefix)
 from dgemma.tasks import get_task
 
 EVAL_NAME = re.compile(r"^(?:(?P<split>\w+?)_)?sample_ar_steps(?P<steps>\d+)(?P<es>_early_stopping)?$")
@@ -129,7 +130,7 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
         "noise": cfg.diffusion.process, "schedule": cfg.diffusion.schedule, "pin_clues": cfg.data.pin_clues,
         "min_stop_prob": sampler.min_stop_prob, "stop_alias_cos": sampler.stop_alias_cos,
         "logit_bias": cfg.eval_ds.logit_bias, "self_condition": sampler.self_condition, "weights": run.weights,
-        "lora": run.lora, "fuse_append": sampler.fuse_append,
+        "lora": run.lora, "fuse_append": sampler.fuse_append, "response_prefix": cfg.eval_ds.response_prefix,
     }
     return sampler, settings
 
@@ -143,6 +144,15 @@ def clue_hints(run, records: list[dict], width: int) -> torch.Tensor | None:
     tok = run.tokenizer
     return pin_rows([fn(r, tok.encode(r["response"]) + [response_end_id(tok, run.cfg.data.response_end)]) or []
                      for r in records], width)
+
+
+def checked_prefix(run, prefix: tuple[int, ...], records: list[dict]) -> tuple[int, ...]:
+    """``prefix`` once it is known to begin every record's reference response
+    (:func:`~dgemma.sampling.check_prefix`; records without a reference are not checked)."""
+    if prefix:
+        tok = run.tokenizer
+        check_prefix(prefix, [tok.encode(r["response"]) for r in records if r.get("response")], tok)
+    return prefix
 
 
 def eval_limit(cfg) -> int | None:
@@ -209,6 +219,7 @@ def generate(run, sampler: CanvasSampler, records: list[dict], *, batch_size: in
     gen = torch.Generator(device=dev).manual_seed(seed)
     pad_to = run.cfg.data.prompt_len if run.model.config.attn_implementation == "flex" else None
     out = Generation([], [], [], [])
+    checked_prefix(run, sampler.prefix, records)
     for batch in batches(records, batch_size, max_batches):
         first = len(out.records)
         ids, valid, truncated = encode_prompts(run.tokenizer, batch, run.cfg.data.prompt_len, pad_to=pad_to,
@@ -233,14 +244,16 @@ def generate(run, sampler: CanvasSampler, records: list[dict], *, batch_size: in
 def generate_ar(run, task, records: list[dict], *, batch_size: int, max_new_tokens: int,
                 max_batches: int | None = None) -> Generation:
     """Greedy AR decoding of every batch through the KV cache, stopping at the task's stop tokens
-    (and their aliases, ``eval_ds.stop_alias_cos``): :func:`generate`'s counterpart for an AR model."""
+    (and their aliases, ``eval_ds.stop_alias_cos``), each answer starting with ``eval_ds.response_prefix``
+    where the run sets one: :func:`generate`'s counterpart for an AR model."""
     dev = _device(run.model)
     bias = resolve_logit_bias(run.cfg.eval_ds.logit_bias, run.tokenizer)
+    prefix = checked_prefix(run, resolve_prefix(run.cfg.eval_ds.response_prefix, run.tokenizer), records)
     out = Generation([], [], [], [])
     for batch in batches(records, batch_size, max_batches):
         ids, valid, truncated = encode_prompts(run.tokenizer, batch, run.cfg.data.prompt_len, device=dev)
         res = ar_generate(run.model, ids, valid, max_new_tokens=max_new_tokens, stop_ids=task.stop_ids(run.tokenizer),
-                          stop_alias_cos=run.cfg.eval_ds.stop_alias_cos, logit_bias=bias)
+                          stop_alias_cos=run.cfg.eval_ds.stop_alias_cos, logit_bias=bias, prefix=prefix)
         out.records += batch
         out.tokens += res.tokens
         out.forward_passes += res.forward_passes
@@ -345,7 +358,8 @@ def evaluate_ar(run, task, *, eval_name: str, split: str | None = None, records:
                 "batch_size": e.batch_size, "num_batches": cfg.aux.eval_num_batches, "prompt_len": cfg.data.prompt_len,
                 "device": str(dev), "dtype": _dtype(run.model), "threads": torch.get_num_threads(),
                 "stop_alias_cos": cfg.eval_ds.stop_alias_cos, "logit_bias": cfg.eval_ds.logit_bias,
-                "weights": run.weights, "lora": run.lora, "compiled": _compiled(run.model)}
+                "response_prefix": cfg.eval_ds.response_prefix, "weights": run.weights, "lora": run.lora,
+                "compiled": _compiled(run.model)}
     result = {"eval_name": eval_name, "task": task.name, "split": split, "source": task.source(cfg, split),
               "checkpoint_step": run.step, "num_examples": len(gen.records), "metrics": metrics, "stats": stats,
               "settings": settings}

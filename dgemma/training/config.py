@@ -221,6 +221,7 @@ class EvalConfig:
     logit_bias: dict[str, float] | None = None  # {token text: bias} added to those logits at every step (both decoders)
     self_condition: bool = True  # diffusion decoder: feed each step's prediction to the next (False: a zero signal)
     fuse_append: bool = True  # append a finished canvas in the next canvas's first pass (False: a forward of its own)
+    response_prefix: str | None = None  # text every answer starts with, given to both decoders (pinned / prefilled)
     # what generate, serve, load_model and the lm-eval model decode with unless asked otherwise
     interactive_steps: int | None = None  # steps of generate / serve / load_model / lm-eval (None: steps[0])
     interactive_early_stopping: Literal["none", "entropy", "stable_confident"] | None = None  # None: early_stopping

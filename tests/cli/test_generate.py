@@ -44,6 +44,12 @@ def test_run_prompts_jsonl_and_seed(tiny_run, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert all((s["step_type"], s["confidence_threshold"]) == ("confidence", 0.5)
                for s in (json.loads(x)["settings"] for x in conf.read_text().splitlines()))
+    pre = tmp_path / "prefix.jsonl"
+    r = cli("--checkpoint", str(tiny_run), "--file", str(prompts), "--out", str(pre), "--steps", "4", "--prefix", "53")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows_pre = [json.loads(x) for x in pre.read_text().splitlines()]
+    assert all(x["output"].startswith("53") and len(x["settings"]["prefix"]) == 2 for x in rows_pre)
+    assert all(x["settings"]["prefix"] == [] for x in rows)  # none unless asked
 
 
 def test_unadapted_base_warns(tiny_text_model):
@@ -64,6 +70,8 @@ def test_bad_input_is_one_clear_error(tmp_path):
         generate.parse(["x", "--steps", "0"])
     with pytest.raises(DGemmaError, match=r"--threshold must lie in \[0, 1\], got 1.5"):
         generate.parse(["x", "--threshold", "1.5"])
+    with pytest.raises(DGemmaError, match="--prefix is empty"):
+        generate.parse(["x", "--prefix", ""])
 
 
 def test_examples_shipped_with_a_model(tiny_run, tmp_path):
