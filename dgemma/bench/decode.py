@@ -589,19 +589,23 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
             return _skip_part(result, "pubmedqa", "PubMedQA", why)
     diff, ar, questions = runs
     task = get_task("pubmedqa").configure(diff.cfg)
+    prefix = diff.cfg.eval_ds.response_prefix if ctx.pubmedqa_prefix is None else ctx.pubmedqa_prefix
+    for run in (diff, ar):  # both decoders get the prefix, or neither
+        run.cfg.eval_ds = dataclasses.replace(run.cfg.eval_ds, response_prefix=prefix)
     e = diff.cfg.eval_ds
+    step_counts = ctx.pubmedqa_steps or sz["pubmedqa_steps"]
+    pinned = ", template pinned" if prefix else ""
     questions = questions[:sz["pubmedqa_questions"]]
     batches = ((1, questions[:sz["pubmedqa_b1"]]), (len(questions), questions))
     canvases = sz["pubmedqa_canvases"]  # None: the runs' own (--quick: one canvas)
     ar_tokens = ar.cfg.diffusion.canvas_size * (canvases or max_canvases(ar.cfg))
-    ar.cfg.eval_ds = dataclasses.replace(ar.cfg.eval_ds, response_prefix=e.response_prefix)  # both or neither
     # what the run decodes with; a row that differs is named "no signal" (a model without the block has no signal)
     default_signal = bool(e.self_condition) and diff.model.self_conditioning is not None
     result["settings"]["pubmedqa"] = {
         "workdir": str(diff.path.parent.parent), "checkpoint_step": diff.step, "ar_checkpoint_step": ar.step,
         "questions": len(questions), "batch1_questions": len(batches[0][1]),
         "question_source": "examples.jsonl beside the adapter (the first test questions)",
-        "dtype": str(next(diff.model.parameters()).dtype), "steps": list(sz["pubmedqa_steps"]),
+        "dtype": str(next(diff.model.parameters()).dtype), "steps": list(step_counts),
         "lora": diff.lora, "ar_lora": ar.lora,  # merged into the weights (load_run's default) or peft-wrapped
         "sampler": f"the run's own ({e.step_type}, blocks of {e.commit_block}, temperature {e.temperature}, "
                    f"self-conditioning {'on' if default_signal else 'off'}, no early stop: the shipped "
@@ -654,7 +658,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
             signal)
 
     signals = (True, False) if default_signal else (False,)
-    for i, steps in enumerate(sz["pubmedqa_steps"]):  # the headline first: batch 1 at the most steps
+    for i, steps in enumerate(step_counts):  # the headline first: batch 1 at the most steps
         for b, recs in batches:
             if i == 0:
                 ar_row(b, recs)
@@ -664,7 +668,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         for r in rows:
             if r["kind"] == "diffusion" and r["batch"] == b and r.get("vs_ar") is not None:
                 signal = "" if r["self_condition"] == default_signal else " without the signal"
-                add_ratio(result, f"pubmedqa diffusion S={r['steps']}{signal} vs AR fine-tune b{b} "
+                add_ratio(result, f"pubmedqa diffusion S={r['steps']}{signal} vs AR fine-tune b{b}{pinned} "
                                   f"(acc {r['accuracy']:.3f} vs {ar_rows[b]['accuracy']:.3f}, "
                                   f"BLEU {r['bleu']:.2f} vs {ar_rows[b]['bleu']:.2f})",
                           r["vs_ar"], baseline="the AR fine-tune, greedy (ours)", what="tokens/s; quality in the name")

@@ -42,6 +42,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help=f"trained Sudoku run for the decode suite (default: {sudoku})")
     p.add_argument("--pubmedqa-workdir", default=None,
                    help=f"adapted PubMedQA run (its AR fine-tune in DIR/ar) for the decode suite (default: {pubmedqa})")
+    p.add_argument("--pubmedqa-steps", metavar="N,N", default=None,
+                   help="decode: the adapted PubMedQA rows' steps per canvas, comma-separated (default 32,16,8)")
+    p.add_argument("--pubmedqa-prefix", metavar="TEXT", default=None,
+                   help="decode: a response prefix both PubMedQA decoders get, e.g. 'The answer is:' (pinned in "
+                        "the canvas, prefilled for AR; default: the run's eval_ds.response_prefix)")
     p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")
@@ -61,6 +66,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise DGemmaError(f"--repeats must be >= 1, got {args.repeats}")
     if args.budget is not None and args.budget <= 0:
         raise DGemmaError(f"--budget must be > 0 seconds, got {args.budget}")
+    if args.pubmedqa_steps is not None:
+        try:
+            args.pubmedqa_steps = tuple(int(x) for x in args.pubmedqa_steps.split(","))
+        except ValueError:
+            raise DGemmaError(f"--pubmedqa-steps takes step counts like 16,10, got {args.pubmedqa_steps!r}") from None
+        if min(args.pubmedqa_steps) < 1:
+            raise DGemmaError(f"--pubmedqa-steps must be >= 1, got {args.pubmedqa_steps}")
+    if args.pubmedqa_prefix == "":
+        raise DGemmaError("--pubmedqa-prefix is empty: give the text every answer starts with, or leave it out")
     return args
 
 
@@ -94,7 +108,8 @@ def run(argv: list[str]) -> int:
     ctx = Context(out=Path(args.out), quick=args.quick, profile="quick" if args.quick else "cpu",
                   device=args.device or "cpu", budget_s=args.budget, repeats=args.repeats,
                   do_profile=not args.no_profile, sudoku_workdir=args.sudoku_workdir,
-                  pubmedqa_workdir=args.pubmedqa_workdir, dtype=args.dtype, compile=args.compile)
+                  pubmedqa_workdir=args.pubmedqa_workdir, pubmedqa_steps=args.pubmedqa_steps,
+                  pubmedqa_prefix=args.pubmedqa_prefix, dtype=args.dtype, compile=args.compile)
     if ctx.device.startswith("cuda") and not args.quick and args.suite != "gpu":
         ctx.profile = "gpu"
     torch.manual_seed(0)

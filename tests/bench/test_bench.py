@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from dgemma.bench import common
+from dgemma.cli import bench as bench_cli
 from dgemma.cli.main import main
+from dgemma.errors import DGemmaError
 
 REPO = Path(__file__).resolve().parents[2]
 SUITES = ("decode", "loss", "attention", "train", "gpu")
@@ -219,6 +221,18 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     assert not any("without the signal" in x["name"] for x in r2["ratios"])
     assert "self-conditioning off" in r2["settings"]["pubmedqa"]["sampler"]
     assert any("adapted PubMedQA" in t for t in r["tables"])
+    assert r["settings"]["pubmedqa"]["response_prefix"] is None and r["settings"]["pubmedqa"]["steps"] == [2]
+    # --pubmedqa-steps / --pubmedqa-prefix: other step counts, and the answer template given to both decoders
+    ctx.pubmedqa_steps, ctx.pubmedqa_prefix = (3,), "The answer is:"
+    r3 = decode.run(ctx, pubmedqa_runs=(diff_run, ar_run, questions), adapted_only=True)
+    assert r3["settings"]["pubmedqa"]["response_prefix"] == "The answer is:"
+    assert {x["steps"] for x in r3["rows"] if x["kind"] == "diffusion"} == {3}
+    assert all(", template pinned (acc" in x["name"] for x in r3["ratios"] if x["name"].startswith("pubmedqa"))
+    assert diff_run.cfg.eval_ds.response_prefix == ar_run.cfg.eval_ds.response_prefix == "The answer is:"
+    for bad, message in ((["--pubmedqa-steps", "16,x"], "takes step counts"), (["--pubmedqa-steps", "0"], ">= 1"),
+                         (["--pubmedqa-prefix", ""], "is empty")):
+        with pytest.raises(DGemmaError, match=message):
+            bench_cli.parse(["decode", *bad])
 
 
 @pytest.mark.parametrize("compile_", [False, pytest.param(True, marks=pytest.mark.slow)])
