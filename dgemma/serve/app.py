@@ -55,7 +55,7 @@ from dgemma.eval.sudoku_verify import cell_token_ids
 from dgemma.serve.engine import (OPENAI_PREFIX, PRETRAINED, STATIC, SUDOKU_HINT, BodyLimit, Engine, JobStream, Jobs,
                                  Limits, ModelSlot, ServeError, SolveRequest, TextRequest, _bad, _validation_message,
                                  encode_user_prompt, error_response, load_engine, make_plan, solve_work, start_job,
-                                 stop_all_jobs, stream_job, sudoku_hints, text_work)
+                                 stop_all_jobs, stream_job, sudoku_hints, text_work, with_prefix)
 from dgemma.data.sudoku import generate_puzzles, parse_puzzle
 from dgemma.serve.openai_api import router, validation_error
 from dgemma.tasks.sudoku import SYSTEM_PROMPT, format_prompt
@@ -187,6 +187,7 @@ def create_app(*, sudoku: str | Path | Engine | None = shipped.SUDOKU,
             record = {"prompt": req.prompt, **({"system": req.system} if req.system and req.system.strip() else {})}
             ids = await run_in_threadpool(encode_user_prompt, engine, record)
             plan = make_plan(engine, req, ids, limits, req.max_canvases)
+            with_prefix(engine, plan, req.prefix)
         except DGemmaError as e:
             return _bad(str(e))
         return _start("text", lambda job: text_work(engine, plan, job, req.prompt))

@@ -36,6 +36,7 @@ from dgemma.data.chat import render_prompt
 from dgemma.data.sudoku import count_clues, grid_error
 from dgemma.device import resolve_dtype
 from dgemma.diffusion.corruption import UniformNoise
+from dgemma.diffusion.sampler import pin_prefix
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
 from dgemma.diffusion.stopping import STOPPING
@@ -43,7 +44,8 @@ from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import DEFAULT_VARIANTS, round_steps, solve_verified
 from dgemma.eval.visualize import Frame, sudoku_cells, token_piece
 from dgemma.models.pretrained import load_pretrained
-from dgemma.sampling import SamplerConfig, build_rules, build_sampler, eval_settings, interactive_defaults, max_canvases
+from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_defaults, max_canvases,
+                             resolve_prefix)
 from dgemma.tasks import get_task, response_stop_ids
 from dgemma.tasks.sudoku import extract_digits
 from dgemma.training.config import load_config
@@ -541,6 +543,7 @@ class TextRequest(SampleParams):
     prompt: str
     system: str | None = None  # a system instruction, rendered as the chat template does
     max_canvases: int | None = Field(None, ge=1)
+    prefix: str | None = None  # the answer starts with this text, pinned in the first canvas (see with_prefix)
 
 
 def _bad(message: str, status: int = 400) -> JSONResponse:
@@ -630,8 +633,25 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
                 "commit_block": sampler.commit_block,
                 "no_repeat": bool(rules.commit_no_repeat) if step_type == "commit" else None,
                 "self_condition": rules.self_condition if engine.model.self_conditioning is not None else None,
-                "logit_bias": info.cfg.eval_ds.logit_bias if info.cfg is not None else None}
+                "logit_bias": info.cfg.eval_ds.logit_bias if info.cfg is not None else None,
+                "prefix": info.cfg.eval_ds.response_prefix if info.cfg is not None else None}
     return Plan(settings, prompt_ids, sampler, n_canvas, seed, req.delay_ms / 1000)
+
+
+def with_prefix(engine: Engine, plan: Plan, text: str | None) -> int:
+    """Force the plan's answers to begin with ``text``: its tokens are pinned at the first canvas's
+    first positions (``eval_ds.response_prefix``'s mechanism, which a request's prefix replaces),
+    so the model writes what follows them and spends no step on them. Returns the prefix's length
+    in tokens (0 for None). Checked here, before a job starts: an empty prefix, one that fills
+    the canvases, or one that clashes with pinned clues raises DGemmaError."""
+    if text is None:
+        return 0
+    ids = resolve_prefix(text, engine.tokenizer)
+    hints = None if plan.hints is None else torch.tensor([plan.hints])
+    pin_prefix(hints, ids, 1, plan.max_canvases * engine.info.canvas_size)
+    plan.sampler = replace(plan.sampler, prefix=ids)
+    plan.settings["prefix"] = text
+    return len(ids)
 
 
 def sudoku_hints(engine: Engine, puzzle: str) -> list[int] | None:

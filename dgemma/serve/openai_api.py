@@ -16,7 +16,11 @@ gives the same choices and the first of ``n`` is the answer of ``n = 1``; ``seed
 random one, reported in the response's ``dgemma.seed``). Diffusion settings are extra body
 fields (``extra_body`` in the openai client): ``steps``, ``step_type``, ``early_stopping``,
 ``threshold``, ``self_condition`` and ``no_repeat`` (the commit step's rule against repeated
-neighbours, ``eval_ds.commit_no_repeat``); unset ones take the model's defaults, as in the playground. Anything a
+neighbours, ``eval_ds.commit_no_repeat``); unset ones take the model's defaults, as in the playground.
+Chat takes vLLM's ``continue_final_message``: the last message is an assistant message that
+the answer must begin with; its tokens are pinned at the start of the first canvas (a run's
+``eval_ds.response_prefix``, replaced), count in ``usage.prompt_tokens`` and not in
+``max_tokens``, and the reply is what the model writes after them. Anything a
 diffusion sampler cannot do (``logprobs``, ``echo``, ``best_of``, ``suffix``, penalties,
 tools, a JSON ``response_format``) is refused with a 400 that names the parameter; an unknown
 parameter too. ``logit_bias`` (token id -> bias in [-100, 100]) is added to those logits at
@@ -58,8 +62,10 @@ from starlette.concurrency import run_in_threadpool
 from dgemma.diffusion.sampler import check_logit_bias
 from dgemma.diffusion.wrappers import emitted_canvases
 from dgemma.errors import DGemmaError
+from dgemma.sampling import resolve_prefix
 from dgemma.serve.engine import (Cancelled, Engine, Plan, SampleParams, ServeError, _validation_message, load_engine,
-                                 make_plan, openai_error, run_job, run_sampler, start_job, stream_job, sudoku_hints)
+                                 make_plan, openai_error, run_job, run_sampler, start_job, stream_job, sudoku_hints,
+                                 with_prefix)
 from dgemma.data.sudoku import parse_puzzle
 
 __all__ = ["CompletionRequest", "ChatRequest", "Choices", "served_models", "render_messages", "build_plan",
@@ -123,6 +129,9 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's extension (extra_body): the last message is the start of the assistant's answer, which
+    # the model continues; its tokens are pinned in the first canvas and the reply is what follows
+    continue_final_message: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = None
     response_format: dict | None = None
@@ -295,10 +304,11 @@ def _pins(engine: Engine, text: str) -> list[int] | None:
 
 
 def build_plan(engine: Engine, req: _Sampling, prompt_ids: list[int], limits, *, max_tokens: int | None,
-               prompt_param: str) -> tuple[Plan, int]:
-    """The sampler plan of an OpenAI request and its token budget; :class:`ServeError` names
+               prompt_param: str, prefix_tokens: int = 0) -> tuple[Plan, int]:
+    """The sampler plan of an OpenAI request and its token budget (new tokens, which follow the
+    ``prefix_tokens`` an answer is forced to start with in the canvas); :class:`ServeError` names
     the parameter at fault."""
-    info, c = engine.info, engine.info.canvas_size
+    info, c, k = engine.info, engine.info.canvas_size, prefix_tokens
     if len(prompt_ids) > info.prompt_len:
         raise ServeError(f"the prompt is too long: {len(prompt_ids)} tokens; the limit is {info.prompt_len} tokens",
                          400, param=prompt_param, code="context_length_exceeded")
@@ -306,15 +316,17 @@ def build_plan(engine: Engine, req: _Sampling, prompt_ids: list[int], limits, *,
     if room < 1:
         raise ServeError(f"the prompt's {len(prompt_ids)} tokens leave no room for a canvas of {c} in the model's "
                          f"{info.max_positions} positions", 400, param=prompt_param, code="context_length_exceeded")
-    max_tokens = max_tokens or min(info.max_canvases * c, room)  # unset: the model's default canvases, if they fit
+    # unset: the model's default canvases, if they fit, less the prefix
+    max_tokens = max_tokens or max(min(info.max_canvases * c, room) - k, 1)
+    plus = f" plus the final message's {k} tokens" if k else ""
     cap = limits.max_canvases * c
-    if max_tokens > cap:
-        raise ServeError(f"max_tokens {max_tokens} is over the limit of {cap} ({limits.max_canvases} canvases of "
-                         f"{c} tokens)", 400, param="max_tokens")
-    if max_tokens > room:
-        raise ServeError(f"max_tokens {max_tokens} does not fit: the model has {info.max_positions} positions, and "
-                         f"the prompt's {len(prompt_ids)} tokens leave room for {room} ({room // c} canvases of {c})",
-                         400, param="max_tokens", code="context_length_exceeded")
+    if max_tokens + k > cap:
+        raise ServeError(f"max_tokens {max_tokens}{plus} is over the limit of {cap} ({limits.max_canvases} canvases "
+                         f"of {c} tokens)", 400, param="max_tokens")
+    if max_tokens + k > room:
+        raise ServeError(f"max_tokens {max_tokens}{plus} does not fit: the model has {info.max_positions} positions, "
+                         f"and the prompt's {len(prompt_ids)} tokens leave room for {room} ({room // c} canvases of "
+                         f"{c})", 400, param="max_tokens", code="context_length_exceeded")
     if req.steps is not None and req.steps > limits.max_steps:
         raise ServeError(f"steps {req.steps} is over the limit of {limits.max_steps}", 400, param="steps")
     if req.n > limits.max_choices:
@@ -323,7 +335,7 @@ def build_plan(engine: Engine, req: _Sampling, prompt_ids: list[int], limits, *,
                           early_stopping=req.early_stopping, threshold=req.threshold, seed=req.seed,
                           self_condition=req.self_condition, no_repeat=req.no_repeat)
     try:
-        plan = make_plan(engine, params, prompt_ids, limits, math.ceil(max_tokens / c))
+        plan = make_plan(engine, params, prompt_ids, limits, math.ceil((max_tokens + k) / c))
     except DGemmaError as e:
         param = next((p for p in ("step_type", "early_stopping") if str(e).startswith(p)), None)
         raise ServeError(str(e), 400, param=param) from None
@@ -380,11 +392,14 @@ class Choices:
     :meth:`add` takes one emitted canvas of one choice and returns the text to stream: the new
     text, less a tail that may be the start of a stop string (or a split UTF-8 character), which
     waits for the next canvas. A stop string ends the choice at its first match, a stop token
-    (EOS, end-of-turn) at the token, ``max_tokens`` at that many tokens.
+    (EOS, end-of-turn) at the token, ``max_tokens`` at that many tokens. The first ``skip`` tokens
+    of every choice are a forced prefix the client sent (``continue_final_message``): not returned,
+    not counted, and no stop string can match inside them.
     """
 
-    def __init__(self, tokenizer, n: int, *, stop_ids, stops: list[str], max_tokens: int):
+    def __init__(self, tokenizer, n: int, *, stop_ids, stops: list[str], max_tokens: int, skip: int = 0):
         self.tok, self.stop_ids, self.stops, self.max_tokens = tokenizer, set(stop_ids), stops, max_tokens
+        self.skip = [skip] * n
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.text = [""] * n
         self.sent = [""] * n
@@ -395,6 +410,7 @@ class Choices:
         return all(self.finish)
 
     def add(self, i: int, canvas: list[int]) -> str:
+        canvas, self.skip[i] = canvas[self.skip[i]:], max(self.skip[i] - len(canvas), 0)
         cut = next((k + 1 for k, x in enumerate(canvas) if x in self.stop_ids), None)
         toks = (self.tokens[i] + canvas[:cut])[: self.max_tokens]
         text = self.tok.decode(toks)
@@ -439,7 +455,7 @@ def _usage(prompt_tokens: int, choices: Choices) -> dict:
 
 
 def sample_work(engine: Engine, plan: Plan, job, *, chat: bool, model_id: str, stops: list[str], max_tokens: int,
-                stream: bool, include_usage: bool) -> Callable:
+                stream: bool, include_usage: bool, prefix_tokens: int = 0) -> Callable:
     """The job of one request: ``work(emit)`` samples, streams one chunk per committed canvas
     per choice when ``stream``, and returns the whole response (what a non-streaming request
     answers)."""
@@ -456,7 +472,8 @@ def sample_work(engine: Engine, plan: Plan, job, *, chat: bool, model_id: str, s
         return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
 
     def work(emit):
-        choices = Choices(engine.tokenizer, plan.rows, stop_ids=engine.stop_ids, stops=stops, max_tokens=max_tokens)
+        choices = Choices(engine.tokenizer, plan.rows, stop_ids=engine.stop_ids, stops=stops, max_tokens=max_tokens,
+                          skip=prefix_tokens)
         t0 = time.perf_counter()
         if stream and chat:
             for i in range(plan.rows):
@@ -487,7 +504,7 @@ def sample_work(engine: Engine, plan: Plan, job, *, chat: bool, model_id: str, s
                 choices.finish[i] = "length"
                 if stream:
                     emit("chunk", {**head, "choices": [piece(i, choices.text[i][len(choices.sent[i]):], "length")]})
-        usage = _usage(len(plan.prompt_ids), choices)
+        usage = _usage(len(plan.prompt_ids) + prefix_tokens, choices)  # the prefix is the client's text
         extra = {"dgemma": {**plan.settings, "seconds": round(time.perf_counter() - t0, 4)}}
         if stream:
             if include_usage:
@@ -515,12 +532,12 @@ def encode_event(event: str, data: dict) -> bytes:
 
 
 async def _respond(request: Request, req: _Sampling, engine: Engine, model_id: str, plan: Plan, max_tokens: int,
-                   stops: list[str], chat: bool):
+                   stops: list[str], chat: bool, prefix_tokens: int = 0):
     app = request.app
     job = start_job(app, "chat" if chat else "completion")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     work = sample_work(engine, plan, job, chat=chat, model_id=model_id, stops=stops, max_tokens=max_tokens,
-                       stream=req.stream, include_usage=include_usage)
+                       stream=req.stream, include_usage=include_usage, prefix_tokens=prefix_tokens)
     if req.stream:
         return stream_job(app.state.executor, app.state.jobs, job, work, encode=encode_event)
     try:
@@ -557,6 +574,14 @@ async def completions(req: CompletionRequest, request: Request):
     return await _respond(request, req, engine, model_id, plan, max_tokens, stops, chat=False)
 
 
+def _continued(fn):
+    """``fn()``, a bad final message to continue (``continue_final_message``) answered as a 400."""
+    try:
+        return fn()
+    except DGemmaError as e:
+        raise ServeError(f"continue_final_message: {e}", 400, param="messages") from None
+
+
 @router.post("/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request):
     limits = request.app.state.limits
@@ -566,10 +591,18 @@ async def chat_completions(req: ChatRequest, request: Request):
                          for m in req.messages), limits, "messages")
     stops = _stops(req.stop)
     engine = await load_engine(request.app, role)
-    text, last_user = render_messages(engine.tokenizer, req.messages)
+    messages, prefix = req.messages, None
+    if req.continue_final_message:
+        if len(messages) < 2 or messages[-1].role != "assistant":
+            raise ServeError("continue_final_message: the messages must end with a user message and then an assistant "
+                             "message, the start of the answer to continue", 400, param="messages")
+        messages, prefix = messages[:-1], _text_of(messages[-1], len(messages) - 1)
+    text, last_user = render_messages(engine.tokenizer, messages)
     ids = await run_in_threadpool(_encode, engine, text, "messages")
+    k = _continued(lambda: len(resolve_prefix(prefix, engine.tokenizer)))
     plan, max_tokens = build_plan(engine, req, ids, limits, max_tokens=req.max_completion_tokens or req.max_tokens,
-                                  prompt_param="messages")
+                                  prompt_param="messages", prefix_tokens=k)
     plan.hints = _pins(engine, last_user)
-    return await _respond(request, req, engine, model_id, plan, max_tokens, stops, chat=True)
+    _continued(lambda: with_prefix(engine, plan, prefix))
+    return await _respond(request, req, engine, model_id, plan, max_tokens, stops, chat=True, prefix_tokens=k)
 

@@ -196,7 +196,17 @@ def test_browser_answers_a_pubmedqa_question_with_the_shipped_adapter(live_serve
         text_nr, body_nr = generate()
         page.select_option("#t-step_type", "confidence")
         assert not page.is_visible("#t-no_repeat")  # a commit-step rule
+
+        # "answer starts with": the template pinned, so 8 steps keep its words (free, they can drop one)
+        page.select_option("#t-step_type", "commit")
+        page.uncheck("#t-no_repeat")
+        page.fill("#t-num_steps", "8")
+        page.fill("#answer-prefix", "The answer is:")
+        text_pre, body_pre = generate()
     assert not problems, problems
+    assert body_pre["prefix"] == "The answer is:"
+    assert re.search(r"^\s*canvas 1.*\n?The answer is: (yes|no|maybe)", text_pre), text_pre
+    assert "prefix" not in body  # the field left empty sends none
     assert body_nr["no_repeat"] is True and body["no_repeat"] is False
     assert re.search(r"The answer is: (yes|no|maybe)", text_nr), text_nr
     assert re.search(r"The answer is: (yes|no|maybe)", text), text

@@ -195,6 +195,44 @@ def test_chat_uses_the_chat_template(client, tokenizer):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def test_chat_continues_the_final_assistant_message(client, tokenizer, tiny_text_model):
+    """vLLM's ``continue_final_message``: the reply is what follows the assistant's start, which is
+    pinned at the start of the first canvas. Reference: the same engine sampling the conversation
+    without that message, the start's tokens pinned as hints, with the API's per-choice seeding
+    (greedy, but this model's noise is uniform: the first canvas is drawn)."""
+    from dgemma.serve.engine import Limits, ModelSlot, SampleParams, make_plan, run_sampler
+
+    msgs, start = [{"role": "user", "content": "hello world"}], "Well, the"
+    kw = {"model": "tiny_text", "max_tokens": 40, "temperature": 0.0, "seed": 0,
+          "extra_body": {**FAST, "continue_final_message": True}}
+    r = client.chat.completions.create(messages=msgs + [{"role": "assistant", "content": start}], **kw)
+    pre = tokenizer.encode(start)
+    prompt = tokenizer.encode(tokenizer.render_chat(msgs, add_generation_prompt=True), add_bos=True)
+    assert r.usage.prompt_tokens == len(prompt) + len(pre) and r.dgemma["prefix"] == start
+    assert 1 <= r.usage.completion_tokens <= 40 and r.dgemma["max_canvases"] == 2  # 40 new + the start's tokens
+
+    engine = ModelSlot("text", tiny_text_model, limits=Limits(), device="cpu").get()
+    plan = make_plan(engine, SampleParams(num_steps=4, temperature=0.0, seed=0), prompt, Limits(), 2)
+    plan.hints, plan.row_seeds = list(pre) + [-1] * (2 * engine.info.canvas_size - len(pre)), True
+    toks = run_sampler(engine, plan, on_step=None).tokens[0]
+    assert toks[:len(pre)] == pre
+    new = toks[len(pre):]
+    new = new[: next((i + 1 for i, t in enumerate(new) if t in engine.stop_ids), len(new))][:40]
+    assert r.usage.completion_tokens == len(new)
+    assert r.choices[0].message.content == tokenizer.decode(new)
+    chunks = list(client.chat.completions.create(messages=msgs + [{"role": "assistant", "content": start}],
+                                                 stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+
+    for messages, why in [(msgs, "must end with a user message and then an assistant message"),
+                          ([{"role": "assistant", "content": start}], "must end with a user message"),
+                          (msgs + [{"role": "assistant", "content": ""}], "the response prefix is empty"),
+                          (msgs + [{"role": "assistant", "content": "a b " * 40}], "plus the final message's")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(messages=messages, **kw)
+        assert e.value.param in ("messages", "max_tokens") and why in e.value.message, e.value.message
+
+
 def test_chat_refuses_what_it_cannot_do(client):
     msgs = [{"role": "user", "content": "hi"}]
     cases = [

@@ -253,7 +253,24 @@ def test_text_prompts_are_validated(tiny_run):
         assert "not in the 'digits' tokenizer" in gen(prompt="hello").json()["error"]
         assert "max_canvases 5 is over the limit of 4" in gen(prompt="1", max_canvases=5).json()["error"]
         assert "exceed the model's 256 positions" in gen(prompt="1", max_canvases=4).json()["error"]
+        assert "the response prefix is empty" in gen(prompt="1", prefix="").json()["error"]
+        assert "nothing would be left to generate" in gen(prompt="1", prefix="1" * 81, max_canvases=1).json()["error"]
         assert c.get("/api/status").json()["started"] == 0
+
+
+def test_text_answer_starts_with_the_requested_prefix(tiny_run):
+    """The Text panel's "answer starts with": the prefix's tokens are committed in the first canvas
+    from the first step on, the answer begins with them, and the start event reports the prefix."""
+    app = create_app(sudoku=None, text=tiny_run)
+    with TestClient(app) as c:
+        with c.stream("POST", "/api/text/generate", json={"prompt": "123", "num_steps": 3, "prefix": "4567",
+                                                         "seed": 1}) as r:
+            assert r.status_code == 200
+            evs = events(r.iter_lines())
+    assert evs[0][1]["prefix"] == "4567"
+    steps = [d for e, d in evs if e == "step" and d["canvas"] == 0]
+    assert steps and all(d["tokens"][:4] == [["4", True], ["5", True], ["6", True], ["7", True]] for d in steps)
+    assert evs[-1][0] == "done" and evs[-1][1]["text"].startswith("4567")
 
 
 def test_oversized_body_is_refused(tiny_run):

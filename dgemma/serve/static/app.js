@@ -293,6 +293,7 @@ async function generate() {
   $("canvases").replaceChildren();
   const body = {prompt: $("prompt").value, ...readControls("t")};
   if ($("system").value.trim()) body.system = $("system").value;
+  if ($("answer-prefix").value.trim()) body.prefix = $("answer-prefix").value;
   const mc = $("t-max_canvases").value;
   if (mc !== "") body.max_canvases = Number(mc);
   textAbort = new AbortController();
@@ -323,7 +324,8 @@ function onTextEvent(event, d) {
   if (event === "start") {
     markLoaded("t", "text");
     $("t-status").textContent = `${d.prompt_tokens} prompt tokens · ${d.step_type}, ${d.num_steps} steps, seed ${d.seed}` +
-      (d.self_condition === false ? " · no self-conditioning" : "") + (d.no_repeat ? " · no repeats" : "");
+      (d.self_condition === false ? " · no self-conditioning" : "") + (d.no_repeat ? " · no repeats" : "") +
+      (d.prefix ? ` · answer starts "${d.prefix}"` : "");
   } else if (event === "step") {
     drawTokens(canvasBox(d.canvas), `canvas ${d.canvas + 1} · step ${d.step}/${d.num_steps}`, d.tokens);
     $("t-status").textContent =
