@@ -57,6 +57,7 @@ class SamplerConfig:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit at every step ({} = none)
     self_condition: bool | None = None  # feed the last prediction back (default True; False: a zero signal)
     fuse_append: bool | None = None  # append a canvas in the next one's first pass (default True; same numbers)
+    reuse_canvas_keys: bool | None = None  # approximate: partial passes over a canvas (default False)
     prefix: tuple[int, ...] | None = None  # response tokens pinned at the start of every answer (() = none)
 
     def merged(self, defaults: "SamplerConfig") -> "SamplerConfig":
@@ -95,7 +96,8 @@ def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
                          entropy_bound=e.entropy_bound, stability_threshold=e.stability_threshold,
                          stop_confidence_threshold=e.stop_confidence_threshold, stop_alias_cos=e.stop_alias_cos,
                          logit_bias=resolve_logit_bias(e.logit_bias, tokenizer), self_condition=e.self_condition,
-                         fuse_append=e.fuse_append, prefix=resolve_prefix(e.response_prefix, tokenizer))
+                         fuse_append=e.fuse_append, reuse_canvas_keys=e.reuse_canvas_keys,
+                         prefix=resolve_prefix(e.response_prefix, tokenizer))
 
 
 def interactive_defaults(e) -> tuple[int, str]:
@@ -154,7 +156,8 @@ def check_prefix(prefix: tuple[int, ...], references: list[list[int]], tokenizer
 RULE_DEFAULTS = SamplerConfig(entropy_threshold=0.05, min_stop_prob=0.0, confidence_threshold=0.9, entropy_bound=0.1,
                               commit_order="confidence", commit_stable_first=True, commit_no_repeat=False,
                               stability_threshold=1, stop_confidence_threshold=0.005, top_p=1.0,
-                              entropy_t_max=0.8, entropy_t_min=0.4, self_condition=True, fuse_append=True, prefix=())
+                              entropy_t_max=0.8, entropy_t_min=0.4, self_condition=True, fuse_append=True,
+                              reuse_canvas_keys=False, prefix=())
 """The step and stopping rules' own defaults (those of their constructors)."""
 
 
@@ -200,7 +203,8 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
                          max_canvases=cfg.max_canvases, stop=stop, stop_ids=stop_ids,
                          min_stop_prob=cfg.min_stop_prob, stop_alias_cos=cfg.stop_alias_cos,
                          logit_bias=dict(cfg.logit_bias or {}), temperature=signal_temperature(cfg),
-                         self_condition=cfg.self_condition, fuse_append=cfg.fuse_append, prefix=tuple(cfg.prefix),
+                         self_condition=cfg.self_condition, fuse_append=cfg.fuse_append,
+                         reuse_canvas_keys=cfg.reuse_canvas_keys, prefix=tuple(cfg.prefix),
                          **engine)
 
 

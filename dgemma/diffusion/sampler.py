@@ -111,6 +111,9 @@ class CanvasSampler:
     # numbers; DiffusionGemma.forward's ``append``); False: a forward of its own, as the SPEC draws it
     fuse_append: bool = True
     self_condition: bool = True  # feed each step's prediction to the next (False: the zero signal of a first step)
+    # approximate: a pass recomputes only the canvas positions a step reads and those whose token
+    # changed; the others' keys are reused from an earlier pass of the canvas (canvas_window)
+    reuse_canvas_keys: bool = False
     # response tokens pinned at the start of every row's first canvas (a forced prefix: an answer
     # template's fixed words); :func:`ar_generate`'s ``prefix`` gives the AR baseline the same
     prefix: tuple[int, ...] = ()
@@ -216,6 +219,10 @@ class CanvasSampler:
                   and isinstance(self.stop, NoStop) and hasattr(self.step, "reads"))
         last = None  # (canvas, rows read, logits) of the last forward, while the running rows stay the same
         kept = CanvasLogits()  # the logits tensor, rewritten in place where a pass changes it
+        # reuse_canvas_keys: the canvas's last hidden states [R, C, d] and which positions' keys in
+        # the scratch slots were computed from their current token [R, C] (None: no pass yet)
+        windowed = self.reuse_canvas_keys and self.use_cache and narrow
+        hid = fresh = None
         for i in range(self.num_steps):
             t = grid[i].expand(running.numel()).to(dev)
             is_last = i == self.num_steps - 1
@@ -241,8 +248,18 @@ class CanvasSampler:
                     d.before = h[:, n - 1] if d.before_idx is not None else None
                     hidden, before = h[:, n:], d.before
                 elif self.use_cache:  # nothing cached yet (empty prompt, first canvas): decode alone
-                    hidden = model(state.tokens, info=noisy[running], cache=ctx_cache if ctx_cache.cursor else None,
-                                   write=False, selfcond=selfcond, t=t, return_hidden=True)
+                    span = (canvas_window(fresh, open_, shift=d.before_idx is not None)
+                            if windowed and fresh is not None and ctx_cache.cursor else None)
+                    if span is not None:  # only the positions that need it, against the canvas's scratch keys
+                        lo, hi = span
+                        hid[:, lo:hi] = model(state.tokens[:, lo:hi], info=noisy[running][:, lo:hi],
+                                              cache=ctx_cache, partial=(lo, noisy[running]), t=t, return_hidden=True)
+                        fresh[:, lo:hi] = True
+                        hidden = hid
+                    else:
+                        hidden = model(state.tokens, info=noisy[running],
+                                       cache=ctx_cache if ctx_cache.cursor else None,
+                                       write=False, selfcond=selfcond, t=t, return_hidden=True)
                     before = d.before[running] if d.before is not None else None
                 else:
                     full = model(torch.cat([ctx_ids, state.tokens], 1), info=ctx_info.cat(noisy[running]),
@@ -253,6 +270,8 @@ class CanvasSampler:
                         at = (d.before_idx[d.active][running] if k == 0
                               else torch.full_like(running, ctx_ids.shape[1] - 1))
                         before = full[torch.arange(running.numel(), device=dev), at]
+                if windowed and hidden is not hid:  # a full pass: every position's keys are current
+                    hid, fresh = hidden, torch.ones_like(state.committed)
                 if before is not None:
                     hidden = shift_to_canvas(hidden, before[:, None], c)
                 logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid,
@@ -261,10 +280,13 @@ class CanvasSampler:
                 for r in rows:
                     d.fwd[r] += 1
             last = (state.tokens, open_, logits) if reuse else None
+            before_step = state.tokens
             state = self.step(state, logits, float(grid[i]), float(grid[i + 1]), generator=generator,
                               is_last=is_last)
             if self.fill_after_stop and open_ is not None and self.stop_ids:
                 state = fill_after_stop(state, self.stop_ids)
+            if fresh is not None:  # a position whose token changed has stale keys in the scratch slots
+                fresh &= state.tokens == before_step
             temp = self.step.sampling_temperature(float(grid[i]), self.temperature)
             done = torch.ones(running.numel(), dtype=torch.bool, device=dev) if is_last else \
                 self.stop.update(logits, temp, open_=None if reused else open_)
@@ -299,6 +321,8 @@ class CanvasSampler:
                 kept.select(keep)
                 self.stop.select(keep.nonzero().squeeze(1))
                 selfcond = None if selfcond is None else selfcond[keep]
+                if fresh is not None:
+                    hid, fresh = hid[keep], fresh[keep]
                 if self.use_cache:  # read-only from here: the prefix and one canvas of scratch
                     ctx_cache = d.cache.select(running, max_len=min(d.cache.cursor + c, d.cache.max_len))
                 else:
@@ -608,6 +632,35 @@ def selfcond_signal(logits: Tensor, temperature: float, embed: Tensor, tokens: T
     out = embed[tokens]  # [B, C, d]
     out[open_] = signal
     return out
+
+
+def canvas_window(fresh: Tensor, read: Tensor | None, *, shift: bool) -> tuple[int, int] | None:
+    """The canvas positions ``[lo, hi)`` a partial pass must recompute (``reuse_canvas_keys``), or
+    None for a full pass: every position whose keys are stale (``~fresh [B, C]``: its token changed
+    since its keys were computed) and every hidden state the step reads (``read [B, C]``: the
+    positions the LM head runs on; with ``shift`` the state before each, position 0's being the
+    cached clean state before the canvas), over all rows.
+
+    A Fast-dLLM-style approximate cache within a canvas: the reused keys of the other positions
+    were computed against tokens that have changed since. Example, ``C = 8``, positions 2-3 just
+    committed (stale), the step reads 4-7, shifted: ``(2, 7)``.
+
+    >>> fresh = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1]]).bool()
+    >>> read = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]).bool()
+    >>> canvas_window(fresh, read, shift=True)
+    (2, 7)
+    """
+    if read is None:
+        return None
+    need = ~fresh
+    if shift:
+        need[:, :-1] |= read[:, 1:]
+    else:
+        need |= read
+    cols = need.any(0).nonzero().flatten().tolist()
+    if not cols or cols[-1] + 1 - cols[0] == need.shape[1]:
+        return None
+    return cols[0], cols[-1] + 1
 
 
 def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:

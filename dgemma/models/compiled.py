@@ -44,20 +44,21 @@ class CompiledModel:
 
     def __call__(self, input_ids: torch.Tensor, *, info: TokenInfo | None = None, cache=None,
                  write: bool | None = None, append: int = 0, selfcond: torch.Tensor | None = None,
-                 t: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+                 t: torch.Tensor | None = None, return_hidden: bool = False,
+                 partial: tuple[int, TokenInfo] | None = None) -> torch.Tensor:
         model = self.module
         if info is None:  # the model's defaults read the cache on the host: run them eagerly
             return model(input_ids, info=info, cache=cache, write=write, append=append, selfcond=selfcond,
-                         t=t, return_hidden=return_hidden)
+                         t=t, return_hidden=return_hidden, partial=partial)
         write = model.resolve_write(info, write, append)
         for rotary in model.rotary.values():
             rotary.cover(info.positions)
         kind = (cache is not None, write, append, selfcond is not None, t is not None, return_hidden,
-                torch.is_grad_enabled())
+                torch.is_grad_enabled(), partial is not None)
         first = kind not in self._seen
         t0 = time.perf_counter()
         out = self._forward(input_ids, info=info, cache=cache, write=write, append=append, selfcond=selfcond,
-                            t=t, return_hidden=return_hidden)
+                            t=t, return_hidden=return_hidden, partial=partial)
         if first:
             self._seen.add(kind)
             self.compiles += 1

@@ -47,13 +47,19 @@ class KVCache:
         return self.cursor
 
     # -- the per-layer hook used by attention ------------------------------------------------
-    def attend_keys(self, layer: int, k: Tensor, v: Tensor, write: bool, at: int | None = None) -> tuple[Tensor, Tensor]:
+    def attend_keys(self, layer: int, k: Tensor, v: Tensor, write: bool, at: int | None = None,
+                    end: int | None = None) -> tuple[Tensor, Tensor]:
         """Return the keys/values a layer attends to: filled slots followed by ``k``/``v``.
 
         With ``write`` the new keys are stored at ``[at, at + L)`` (the cursor itself moves once
         per forward, in :meth:`advance`); without it nothing is stored. ``at`` defaults to the
         cursor; a checkpointed layer passes the cursor of its first run, so recomputing it in
         backward rewrites the same slots with the same values.
+
+        ``end`` (no ``write``): a partial canvas pass. ``k``/``v`` are slots ``[at, at + L)`` of a
+        canvas whose scratch spans ``[cursor, end)``; the other canvas slots keep the keys an
+        earlier pass left there, and the layer attends to ``[0, end)``
+        (``DiffusionGemma.forward``'s ``partial``).
         """
         n = k.shape[2]
         start = self.cursor if at is None else at
@@ -74,6 +80,14 @@ class KVCache:
         if layer not in self.keys:
             raise RuntimeError("empty KVCache: prefill it before decoding")
         keys, values = self.keys[layer], self.values[layer]
+        if end is not None:  # a partial canvas pass: overwrite its own slots, read the whole canvas
+            inside = self.cursor <= start and start + n <= end <= self.max_len
+            if not inside or (torch.is_grad_enabled() and k.requires_grad):
+                raise RuntimeError(f"partial canvas pass: slots [{start}, {start + n}) must lie in the scratch "
+                                   f"[{self.cursor}, {end}) <= max_len {self.max_len}, without autograd")
+            keys[:, :, start:start + n] = k
+            values[:, :, start:start + n] = v
+            return keys[:, :, :end], values[:, :, :end]
         if start + n <= self.max_len and not (torch.is_grad_enabled() and (keys.requires_grad or k.requires_grad)):
             # scratch: the free slots after the cursor hold the noisy keys for this forward only
             # (the cursor does not move, so the next write overwrites them): no copy of the prefix

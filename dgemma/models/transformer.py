@@ -139,7 +139,7 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False) if cfg.value_norm else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: MaskSpec, attend,
-                cache: KVCache | None, write: bool, at: int | None = None) -> Tensor:
+                cache: KVCache | None, write: bool, at: int | None = None, end: int | None = None) -> Tensor:
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
         k_raw = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
@@ -149,7 +149,7 @@ class Attention(nn.Module):
         k, v = self.k_norm(k_raw).transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [B, H, L, D]
         if cache is not None:
-            k, v = cache.attend_keys(self.layer, k, v, write, at)  # [B, Hkv, S + L, D]
+            k, v = cache.attend_keys(self.layer, k, v, write, at, end)  # [B, Hkv, S + L, D]
         out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap)  # [B, H, L, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -185,9 +185,9 @@ class DecoderLayer(nn.Module):
         else:
             self.layer_scalar = None
 
-    def forward(self, x, rope, mask, attend, cache, write, at=None):
+    def forward(self, x, rope, mask, attend, cache, write, at=None, end=None):
         x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), rope, mask, attend, cache, write, at))
+            self.self_attn(self.input_layernorm(x), rope, mask, attend, cache, write, at, end))
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.experts is not None:
             flat = x.reshape(-1, x.shape[-1])  # [B*L, d]
@@ -312,6 +312,7 @@ class DiffusionGemma(nn.Module):
         selfcond: Tensor | None = None,
         t: Tensor | None = None,
         return_hidden: bool = False,
+        partial: tuple[int, TokenInfo] | None = None,
     ) -> Tensor:
         """``input_ids [B, L]`` -> logits ``[B, L, V]`` (or final hidden ``[B, L, d]``).
 
@@ -324,6 +325,12 @@ class DiffusionGemma(nn.Module):
         pass, the same numbers as the two passes it replaces (the clean tokens never attend to
         noisy ones). ``selfcond [B, L, d]`` is the self-conditioning signal (expected embedding of
         the previous prediction), ``t [B]`` the diffusion time, both used on noisy tokens only.
+
+        ``partial = (lo, canvas)``: the inputs are positions ``[lo, lo + L)`` of a noisy canvas
+        described by ``canvas [B, C]`` (a cache and no write needed). They attend to the cache and
+        to the whole canvas, whose other positions' keys are those an earlier pass of it left in
+        the cache's scratch slots. Exact when those positions' tokens and every key they depend on
+        are unchanged since; otherwise an approximation (``CanvasSampler.reuse_canvas_keys``).
         """
         cfg = self.config
         b, n = input_ids.shape
@@ -339,6 +346,14 @@ class DiffusionGemma(nn.Module):
         if not torch.compiler.is_compiling():  # compiled.py resolves it eagerly, before the graph
             write = self.resolve_write(info, write, append)
         k_info = cache.key_info(info) if cache is not None else info
+        end = None
+        if partial is not None:
+            lo, canvas = partial
+            if cache is None or not cache.cursor or write:
+                raise ValueError("a partial canvas pass reads a filled cache and writes nothing")
+            if cfg.decoder_window_anchor == "canvas":  # its anchor is the canvas's first position, not the window's
+                raise DGemmaError("a partial canvas pass needs decoder_window_anchor='query'")
+            k_info, end = cache.key_info(canvas), cache.cursor + canvas.shape[1]
         attend = get_attention(cfg.attn_implementation)
         masks = {
             SLIDING: MaskSpec(info, k_info, cfg.encoder_mode, cfg.sliding_window, cfg.decoder_window_anchor),
@@ -346,14 +361,14 @@ class DiffusionGemma(nn.Module):
         }
         x = self.embed(input_ids, info, selfcond, t)
         rope = self.rope(info.positions, x.dtype)
-        at = cache.cursor if cache is not None else None
+        at = cache.cursor + (partial[0] if partial is not None else 0) if cache is not None else None
         for layer in self.model.layers:
             kind = layer.layer_type
             if cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 # recomputation in backward re-writes the same keys into the same cache slots
-                x = checkpoint(layer, x, rope[kind], masks[kind], attend, cache, write, at, use_reentrant=False)
+                x = checkpoint(layer, x, rope[kind], masks[kind], attend, cache, write, at, end, use_reentrant=False)
             else:
-                x = layer(x, rope[kind], masks[kind], attend, cache, write, at)
+                x = layer(x, rope[kind], masks[kind], attend, cache, write, at, end)
         if cache is not None and write:  # with append, the noisy keys stay in the scratch slots
             cache.advance(info[:, :append] if append else info)
         x = self.model.norm(x)

@@ -638,20 +638,19 @@ def make_plan(engine: Engine, req: SampleParams, prompt_ids: list[int], limits: 
     return Plan(settings, prompt_ids, sampler, n_canvas, seed, req.delay_ms / 1000)
 
 
-def with_prefix(engine: Engine, plan: Plan, text: str | None) -> int:
-    """Force the plan's answers to begin with ``text``: its tokens are pinned at the first canvas's
-    first positions (``eval_ds.response_prefix``'s mechanism, which a request's prefix replaces),
-    so the model writes what follows them and spends no step on them. Returns the prefix's length
-    in tokens (0 for None). Checked here, before a job starts: an empty prefix, one that fills
-    the canvases, or one that clashes with pinned clues raises DGemmaError."""
+def with_prefix(engine: Engine, plan: Plan, text: str | None) -> None:
+    """Force the plan's answers to begin with ``text`` (None: leave the plan as it is): its tokens
+    are pinned at the first canvas's first positions (``eval_ds.response_prefix``'s mechanism,
+    which a request's prefix replaces), so the model writes what follows them and spends no step
+    on them. Checked here, before a job starts: an empty prefix, one that fills the canvases, or
+    one that clashes with pinned clues raises DGemmaError."""
     if text is None:
-        return 0
+        return
     ids = resolve_prefix(text, engine.tokenizer)
     hints = None if plan.hints is None else torch.tensor([plan.hints])
     pin_prefix(hints, ids, 1, plan.max_canvases * engine.info.canvas_size)
     plan.sampler = replace(plan.sampler, prefix=ids)
     plan.settings["prefix"] = text
-    return len(ids)
 
 
 def sudoku_hints(engine: Engine, puzzle: str) -> list[int] | None:

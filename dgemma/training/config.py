@@ -221,6 +221,9 @@ class EvalConfig:
     logit_bias: dict[str, float] | None = None  # {token text: bias} added to those logits at every step (both decoders)
     self_condition: bool = True  # diffusion decoder: feed each step's prediction to the next (False: a zero signal)
     fuse_append: bool = True  # append a finished canvas in the next canvas's first pass (False: a forward of its own)
+    # approximate, greedy narrow decoding only: a pass recomputes the canvas positions a step reads
+    # and those whose token changed, reusing the others' keys (CanvasSampler.reuse_canvas_keys)
+    reuse_canvas_keys: bool = False
     response_prefix: str | None = None  # text every answer starts with, given to both decoders (pinned / prefilled)
     # what generate, serve, load_model and the lm-eval model decode with unless asked otherwise
     interactive_steps: int | None = None  # steps of generate / serve / load_model / lm-eval (None: steps[0])

@@ -188,8 +188,10 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     diff_run, ar_run, questions = fixtures.pubmedqa_runs(ctx)[0]
     # a self-conditioned run's rows come again without the signal
     signals = [True, False] if diff_run.cfg.eval_ds.self_condition else [False]
-    assert [(row["kind"], row["batch"], row["self_condition"]) for row in rows] == \
-        [(kind, b, s) for b in (1, 2) for kind, s in [("ar", None)] + [("diffusion", s) for s in signals]]
+    # and once more with partial passes (reused canvas keys: without the signal only)
+    assert [(row["kind"], row["batch"], row["self_condition"], row["reuse_canvas_keys"]) for row in rows] == \
+        [(kind, b, s, k) for b in (1, 2) for kind, s, k in
+         [("ar", None, None)] + [("diffusion", s, False) for s in signals] + [("diffusion", False, True)]]
     assert str(next(diff_run.model.parameters()).dtype) == r["settings"]["pubmedqa"]["dtype"]
     assert (r["settings"]["pubmedqa"]["lora"], r["settings"]["pubmedqa"]["ar_lora"]) == ("merged", "merged")
     for row in rows:
@@ -207,17 +209,19 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     # a row and its ratio say "no signal" exactly when it decodes otherwise than the run does
     default = signals[0]
     for row in (x for x in rows if x["kind"] == "diffusion"):
-        assert row["name"].endswith(" no signal") == (row["self_condition"] != default)
+        assert (" no signal" in row["name"]) == (row["self_condition"] != default)
+        assert row["name"].endswith(" reused keys") == row["reuse_canvas_keys"]
     named = [x["name"] for x in r["ratios"] if x["name"].startswith("pubmedqa diffusion")]
     assert sum("without the signal" in n for n in named) == sum(
         x["self_condition"] != default for x in rows if x["kind"] == "diffusion")
+    assert sum("reused canvas keys" in n for n in named) == 2
     # a model without the block decodes with no signal: one row a setting, neither called "no signal"
     diff_run.model.self_conditioning = None
     ctx.sudoku_workdir = str(tmp_path / "none")
     r2 = decode.run(ctx, pubmedqa_runs=(diff_run, ar_run, questions), adapted_only=True)
     plain = [x for x in r2["rows"] if x["kind"] == "diffusion"]
-    assert [x["self_condition"] for x in plain] == [False, False]
-    assert not any(x["name"].endswith("no signal") for x in plain)
+    assert [(x["self_condition"], x["reuse_canvas_keys"]) for x in plain] == [(False, False), (False, True)] * 2
+    assert not any("no signal" in x["name"] for x in plain)
     assert not any("without the signal" in x["name"] for x in r2["ratios"])
     assert "self-conditioning off" in r2["settings"]["pubmedqa"]["sampler"]
     assert any("adapted PubMedQA" in t for t in r["tables"])

@@ -74,9 +74,9 @@ def test_decoder_never_writes_the_training_cache(monkeypatch):
     writes = []
 
     class Spy(KVCache):
-        def attend_keys(self, layer, k, v, write, at=None):
+        def attend_keys(self, layer, k, v, write, at=None, end=None):
             writes.append((self.cursor, write, k.shape[2]))
-            return super().attend_keys(layer, k, v, write, at)
+            return super().attend_keys(layer, k, v, write, at, end)
 
     monkeypatch.setattr(objective_mod, "KVCache", Spy)
     model = tiny(self_conditioning=True)
