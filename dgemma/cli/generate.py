@@ -57,6 +57,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-repeat", dest="no_repeat", action="store_true", default=None,
                    help="commit step: no token equal to a neighbour's, the runner-up instead "
                         "(docs/concepts/samplers.md)")
+    p.add_argument("--reuse-canvas-keys", dest="reuse_canvas_keys", action="store_true", default=None,
+                   help="approximate and faster, with --no-self-condition: a pass recomputes only the canvas "
+                        "positions the step reads and those that changed (docs/concepts/samplers.md)")
     p.add_argument("--prefix", metavar="TEXT",
                    help="text every answer starts with, pinned at the start of the first canvas (e.g. the shipped "
                         "adapter's \"The answer is:\"); it must end where the answers' tokens do")
@@ -135,6 +138,7 @@ def run(argv: list[str]) -> int:
                                             early_stopping=args.early_stopping, max_canvases=args.canvases,
                                             confidence_threshold=args.threshold,
                                             self_condition=args.self_condition, commit_no_repeat=args.no_repeat,
+                                            reuse_canvas_keys=args.reuse_canvas_keys,
                                             prefix=None if args.prefix is None else resolve_prefix(args.prefix,
                                                                                                    model.tokenizer)))
     outputs = model.generate(records, settings, batch_size=args.batch_size, seed=args.seed)

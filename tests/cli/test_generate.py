@@ -33,11 +33,13 @@ def test_run_prompts_jsonl_and_seed(tiny_run, tmp_path):
     assert all(x["settings"]["self_condition"] is True for x in rows)  # the run's default
     plain = tmp_path / "plain.jsonl"
     r = cli("--checkpoint", str(tiny_run), "--file", str(prompts), "--out", str(plain), "--steps", "4",
-            "--no-self-condition", "--no-repeat")
+            "--no-self-condition", "--no-repeat", "--reuse-canvas-keys")
     assert r.returncode == 0, r.stderr[-2000:]
     assert all(json.loads(x)["settings"]["self_condition"] is False for x in plain.read_text().splitlines())
     assert all(json.loads(x)["settings"]["commit_no_repeat"] is True for x in plain.read_text().splitlines())
     assert all(x["settings"]["commit_no_repeat"] is False for x in rows)  # the run's default
+    assert all(json.loads(x)["settings"]["reuse_canvas_keys"] is True for x in plain.read_text().splitlines())
+    assert all(x["settings"]["reuse_canvas_keys"] is False for x in rows)
     conf = tmp_path / "conf.jsonl"
     r = cli("--checkpoint", str(tiny_run), "--file", str(prompts), "--out", str(conf), "--steps", "4",
             "--step-type", "confidence", "--threshold", "0.5")
