@@ -25,7 +25,7 @@ SETTINGS_KEYS = {"seed", "num_steps", "step_type", "step_args", "temperature", "
                  "canvas_size", "max_canvases", "stop_ids", "noise", "schedule", "batch_size", "num_batches",
                  "prompt_len", "device", "dtype", "threads", "pin_clues", "min_stop_prob", "stop_alias_cos", "logit_bias",
                  "self_condition",
-                 "weights", "lora", "compiled", "fuse_append", "response_prefix"}
+                 "weights", "lora", "compiled", "fuse_append", "reuse_canvas_keys", "response_prefix"}
 STATS_KEYS = {"examples", "tokens", "forward_passes", "tokens_per_forward", "tokens_per_second", "seconds",
               "canvases", "mean_steps_per_canvas", "early_stopped_canvases", "truncated_prompts", "ar_examples",
               "ar_max_new_tokens", "ar_tokens", "ar_forward_passes", "ar_tokens_per_forward",
@@ -316,6 +316,10 @@ def test_rule_settings_reach_step_and_stopping_rule(workdir, tmp_path):
     own, settings = harness.build_sampler(load(workdir, "--cfg.eval_ds.fuse_append=false"), task, num_steps=2,
                                           step_type="commit", temperature=0.0, early_stopping=None)
     assert settings["fuse_append"] is False and own.fuse_append is False
+    assert margin["reuse_canvas_keys"] is False and own.reuse_canvas_keys is False  # exact by default
+    approx, settings = harness.build_sampler(load(workdir, "--cfg.eval_ds.reuse_canvas_keys=true"), task, num_steps=2,
+                                             step_type="commit", temperature=0.0, early_stopping=None)
+    assert settings["reuse_canvas_keys"] is True and approx.reuse_canvas_keys is True
 
 
 def test_pinned_clues_reach_the_sampler(workdir):
