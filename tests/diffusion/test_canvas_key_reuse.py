@@ -146,13 +146,11 @@ def test_two_layer_sampler_with_reused_keys_computes_fewer_positions():
     assert all(b.tokens) and n_part < 0.7 * n_full
 
 
-
 def test_canvas_window_doctest():
     import doctest
 
     import dgemma.diffusion.sampler as sampler_mod
 
-    tests = [t for t in doctest.DocTestFinder().find(sampler_mod)
-             if t.name.endswith(".canvas_window")]
+    tests = [t for t in doctest.DocTestFinder().find(sampler_mod) if t.name.endswith(".canvas_window")]
     assert len(tests) == 1 and tests[0].examples
     assert doctest.DocTestRunner().run(tests[0]).failed == 0
