@@ -105,3 +105,37 @@ def rotate_half(x: Tensor) -> Tensor:
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
+
+
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_fits(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``fast_linear`` takes oneDNN's matmul: fp32 on a CPU, no gradient wanted, not being compiled."""
+    return (_ONEDNN_LINEAR and weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not torch.compiler.is_compiling())
+
+
+def fast_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x [N, k] @ weight [n, k].T``; for fp32 inference on a CPU, through oneDNN's matmul.
+
+    PyTorch sends an fp32 product on a CPU to MKL, whose products with few rows against the
+    270M's 262,144 x 640 embedding (the one row of an AR step, the few a denoising step reads)
+    used a fraction of the memory bandwidth on an AMD EPYC: 44 ms for one row of the LM head and
+    121 ms for four, against 22 and 54 ms for oneDNN's ``_linear_pointwise`` on the same weight,
+    uncopied (``docs/benchmarks.md``, 2026-12-06, late). The sums are ordered differently, so
+    results differ from ``linear``'s in the last bits (about 1e-6 relative). Anything that needs
+    gradients, another dtype or device, or a graph being compiled keeps ``linear``.
+    """
+    if onednn_fits(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+def head_product(h: Tensor, head: nn.Module) -> Tensor:
+    """``head(h)`` for rows ``h [N, d]``: ``fast_linear`` for a plain bias-free head; a wrapped
+    head (LoRA) runs its own forward."""
+    if type(head) is nn.Linear and head.bias is None:
+        return fast_linear(h, head.weight)
+    return head(h)

@@ -24,7 +24,7 @@ from dgemma.models.attention import BACKENDS, MaskSpec, get_attention
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import ENCODER_MODES, WINDOW_ANCHORS, TokenInfo
 from dgemma.models.moe import Experts, Router
-from dgemma.models.primitives import GeGLU, RMSNorm, Rotary, apply_rotary
+from dgemma.models.primitives import GeGLU, RMSNorm, Rotary, apply_rotary, head_product
 from dgemma.models.selfcond import SelfConditioning, TimeEmbedding
 from dgemma.models.structure import CanvasPositionGroups, validate_groups
 
@@ -289,8 +289,9 @@ class DiffusionGemma(nn.Module):
         The head always sees a 2-D ``[N, d]`` matrix: given a 3-D view whose strides are not a
         packed tensor's (``h[:, C:]`` of a longer forward) and frozen bf16 weights (a loaded run),
         PyTorch 2.13's CPU ``linear`` takes a path that costs about 0.8 s a batch row for the 270M,
-        against 25 ms for the same product on the flattened rows (``docs/benchmarks.md``)."""
-        z = self.lm_head(hidden.reshape(-1, hidden.shape[-1]))
+        against 25 ms for the same product on the flattened rows (``docs/benchmarks.md``). In fp32
+        inference on a CPU the product goes through oneDNN (``primitives.py:head_product``)."""
+        z = head_product(hidden.reshape(-1, hidden.shape[-1]), self.lm_head)
         z = z.view(*hidden.shape[:-1], z.shape[-1])
         if (cap := self.config.final_logit_softcapping) is not None:
             z = z.to(torch.promote_types(z.dtype, torch.float32))  # at least fp32, as transformers does
