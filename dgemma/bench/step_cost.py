@@ -19,6 +19,11 @@ against the one forward of ``2 C`` tokens that does both (``fused_s``,
 ``fused_vs_apart`` is their ratio, ``max_abs_diff`` the largest gap between the two ways' logits
 of the noisy canvas (rounding only: the same numbers in exact arithmetic).
 
+``kind="head_cost"`` rows (fp32 only, the dtype whose path differs) time the LM head's product of
+``rows`` hidden states: ``linear`` (PyTorch's; MKL on an x86 CPU) against
+``dgemma/models/primitives.py:fast_linear`` (oneDNN for fp32 inference on a CPU), with
+``fast_vs_linear`` their ratio and ``max_abs_diff`` the largest gap between their logits.
+
 With ``--compile`` the same forwards also run through ``dgemma/models/compiled.py:CompiledModel``
 (impl ``dgemma-compiled``; ``vs_ar_step`` over its own compiled AR step): ``compile_s`` on its
 ``C = 1`` and first ``C > 1`` rows is what compiling the AR step and the denoising step cost
@@ -32,11 +37,13 @@ import copy
 import time
 
 import torch
+import torch.nn.functional as F
 
 from dgemma.bench import fixtures
 from dgemma.bench.common import Context, add_ratio, finish, format_table, measure_interleaved, new_result
 from dgemma.models.compiled import CompiledModel
 from dgemma.models.kv_cache import KVCache
+from dgemma.models.primitives import fast_linear
 from dgemma.models.masks import TokenInfo
 
 CANVASES = (1, 16, 32, 64, 128, 256)
@@ -47,6 +54,29 @@ COLUMNS = [("impl", "impl"), ("dtype", "dtype"), ("canvas", "C"), ("repeats", "n
 
 APPEND_COLUMNS = [("dtype", "dtype"), ("canvas", "C"), ("repeats", "n"), ("apart_s", "apart s"),
                   ("fused_s", "fused s"), ("fused_vs_apart", "fused / apart"), ("max_abs_diff", "max |diff|")]
+
+
+HEAD_ROWS = (1, 4, 16, 64)
+HEAD_COLUMNS = [("rows", "rows"), ("repeats", "n"), ("linear_s", "linear s"), ("fast_s", "fast_linear s"),
+                ("fast_vs_linear", "fast / linear"), ("max_abs_diff", "max |diff|")]
+
+
+def _head_rows(model, ctx: Context, reps: int, source: str) -> list[dict]:
+    """The LM head's product of N rows: PyTorch's ``linear`` against ``fast_linear``, interleaved."""
+    w = model.lm_head.weight
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for n in HEAD_ROWS[:2] if ctx.quick else HEAD_ROWS:
+        h = torch.randn(n, w.shape[1], generator=gen).to(w)
+        fns = {"linear": lambda: F.linear(h, w), "fast": lambda: fast_linear(h, w)}
+        for fn in fns.values():
+            fn()
+        ms = measure_interleaved(fns, repeats=reps, max_seconds=None if ctx.quick else 10.0, device=ctx.device)
+        out.append({"kind": "head_cost", "impl": "dgemma", "dtype": "float32", "rows": n, "repeats": ms["fast"].repeats,
+                    "linear_s": ms["linear"].median_s, "fast_s": ms["fast"].median_s,
+                    "fast_vs_linear": ms["fast"].median_s / ms["linear"].median_s, "source": source,
+                    "max_abs_diff": float((ms["fast"].result - ms["linear"].result).abs().max())})
+    return out
 
 
 def _dgemma_forward(model, prompt_ids: torch.Tensor, c: int):
@@ -116,7 +146,7 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
     started = time.perf_counter()
     result = new_result("decode", ctx)
     result["settings"]["only"] = "step_cost"
-    rows, appends = [], []
+    rows, appends, heads = [], [], []
     reps = ctx.reps(3 if ctx.quick else 7)
     reference: dict[int, torch.Tensor] = {}  # fp32 argmax per canvas size (dgemma), for the agreement column
     canvases = CANVASES[:3] if ctx.quick else CANVASES
@@ -161,6 +191,8 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
                         if compile_s is not None:  # this row's warm-up compiled a new kind of call
                             row["compile_s"] = compile_s
                     rows.append(row)
+            if dtype == torch.float32 and dtype in dtypes:
+                heads = _head_rows(model, ctx, reps, source)
             if dtype not in dtypes:  # fp32 was run only as the agreement reference
                 rows = [r for r in rows if r["dtype"] != name]
                 continue
@@ -181,7 +213,10 @@ def run(ctx: Context, dtypes: tuple[torch.dtype, ...]) -> dict:
                                     "fused_vs_apart": ms["fused"].median_s / ms["apart"].median_s, "source": source,
                                     "max_abs_diff": float((ms["fused"].result.float() - ms["apart"].result.float())
                                                           .abs().max())})
-    result["rows"] = rows + appends
+    result["rows"] = rows + appends + heads
+    if heads:
+        result["tables"].append(format_table(heads, HEAD_COLUMNS, title="== decode --only step_cost: the LM head's "
+                                             "product of N rows, PyTorch's linear against fast_linear (fp32)"))
     result["tables"].append(format_table(appends, APPEND_COLUMNS, title="== decode --only step_cost: appending a "
                                          "canvas of C tokens, by its own forward or in the next one's first"))
     result["tables"].append(format_table(rows, COLUMNS, title=f"== decode --only step_cost: one forward of C new "

@@ -251,7 +251,10 @@ def test_step_cost_rows_are_ratios_of_forwards_timed_in_one_run(tmp_path, one_th
     r = step_cost.run(ctx, (torch.float32,))
     rows = [x for x in r["rows"] if x["kind"] == "step_cost"]
     appends = {x["canvas"]: x for x in r["rows"] if x["kind"] == "append_cost"}
-    assert sorted(appends) == [16, 32] and len(r["rows"]) == len(rows) + 2
+    heads = {x["rows"]: x for x in r["rows"] if x["kind"] == "head_cost"}
+    assert sorted(appends) == [16, 32] and sorted(heads) == [1, 4] and len(r["rows"]) == len(rows) + 4
+    for x in heads.values():  # PyTorch's linear against fast_linear: the same logits up to fp32 rounding
+        assert x["fast_vs_linear"] == pytest.approx(x["fast_s"] / x["linear_s"]) and x["max_abs_diff"] < 1e-4
     for x in appends.values():  # one forward of 2C tokens against the two it replaces: the same logits
         assert x["fused_vs_apart"] == pytest.approx(x["fused_s"] / x["apart_s"]) and x["max_abs_diff"] < 1e-4
     impls = ["dgemma", "transformers"] + (["dgemma-compiled"] if compile_ else [])
@@ -271,13 +274,13 @@ def test_step_cost_rows_are_ratios_of_forwards_timed_in_one_run(tmp_path, one_th
 
 def test_the_step_cost_command_runs_only_the_step_cost_rows(tmp_path, one_thread, capsys):
     """What a user types: ``dgemma bench decode --only step_cost`` writes step_cost rows only (and
-    the append rows);
+    the append and LM-head rows);
     ``--compile`` elsewhere is refused with one line."""
     assert main(["bench", "decode", "--only", "step_cost", "--quick", "--out", str(tmp_path), "--dtype",
                  "float32"]) == 0
     r = _load(tmp_path, "decode")
     assert r["settings"]["only"] == "step_cost" and r["rows"]
-    assert {row["kind"] for row in r["rows"]} == {"step_cost", "append_cost"}
+    assert {row["kind"] for row in r["rows"]} == {"step_cost", "append_cost", "head_cost"}
     assert "== decode --only step_cost" in capsys.readouterr().out
     assert main(["bench", "decode", "--compile", "--quick", "--out", str(tmp_path)]) == 2
     assert "--compile applies to decode --only step_cost" in capsys.readouterr().err
