@@ -43,8 +43,8 @@ from dgemma.bench import fixtures
 from dgemma.bench.common import Context, add_ratio, finish, format_table, measure_interleaved, new_result
 from dgemma.models.compiled import CompiledModel
 from dgemma.models.kv_cache import KVCache
-from dgemma.models.primitives import fast_linear
 from dgemma.models.masks import TokenInfo
+from dgemma.models.primitives import fast_linear
 
 CANVASES = (1, 16, 32, 64, 128, 256)
 PROMPT = 64
