@@ -592,9 +592,12 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
     prefix = diff.cfg.eval_ds.response_prefix if ctx.pubmedqa_prefix is None else ctx.pubmedqa_prefix
     for run in (diff, ar):  # both decoders get the prefix, or neither
         run.cfg.eval_ds = dataclasses.replace(run.cfg.eval_ds, response_prefix=prefix)
+    if ctx.pubmedqa_no_repeat:
+        diff.cfg.eval_ds = dataclasses.replace(diff.cfg.eval_ds, commit_no_repeat=True)
     e = diff.cfg.eval_ds
     step_counts = ctx.pubmedqa_steps or sz["pubmedqa_steps"]
-    pinned = ", template pinned" if prefix else ""
+    setting = ", template pinned" if prefix else ""
+    setting += ", no repeats" if e.commit_no_repeat else ""
     questions = questions[:sz["pubmedqa_questions"]]
     batches = ((1, questions[:sz["pubmedqa_b1"]]), (len(questions), questions))
     canvases = sz["pubmedqa_canvases"]  # None: the runs' own (--quick: one canvas)
@@ -612,6 +615,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
                    f"evaluations' setting); a self-conditioned run's rows again without the signal ('no signal')",
         "ar": f"greedy, our cache, at most {ar_tokens} tokens, the task's stop tokens",
         "response_prefix": e.response_prefix,  # pinned / prefilled for both decoders (eval_ds.response_prefix)
+        "commit_no_repeat": bool(e.commit_no_repeat),  # the diffusion rows' (eval_ds.commit_no_repeat)
     }
     rows: list[dict] = []
     ar_rows: dict[int, dict] = {}
@@ -674,7 +678,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
             if r["kind"] == "diffusion" and r["batch"] == b and r.get("vs_ar") is not None:
                 signal = "" if r["self_condition"] == default_signal else " without the signal"
                 signal += ", reused canvas keys" if r["reuse_canvas_keys"] else ""
-                add_ratio(result, f"pubmedqa diffusion S={r['steps']}{signal} vs AR fine-tune b{b}{pinned} "
+                add_ratio(result, f"pubmedqa diffusion S={r['steps']}{signal} vs AR fine-tune b{b}{setting} "
                                   f"(acc {r['accuracy']:.3f} vs {ar_rows[b]['accuracy']:.3f}, "
                                   f"BLEU {r['bleu']:.2f} vs {ar_rows[b]['bleu']:.2f})",
                           r["vs_ar"], baseline="the AR fine-tune, greedy (ours)", what="tokens/s; quality in the name")

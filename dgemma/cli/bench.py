@@ -47,6 +47,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pubmedqa-prefix", metavar="TEXT", default=None,
                    help="decode: a response prefix both PubMedQA decoders get, e.g. 'The answer is:' (pinned in "
                         "the canvas, prefilled for AR; default: the run's eval_ds.response_prefix)")
+    p.add_argument("--pubmedqa-no-repeat", action="store_true",
+                   help="decode: the adapted PubMedQA diffusion rows commit no token equal to a neighbour's, the "
+                        "runner-up instead (eval_ds.commit_no_repeat; default: the run's own)")
     p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")
@@ -109,7 +112,8 @@ def run(argv: list[str]) -> int:
                   device=args.device or "cpu", budget_s=args.budget, repeats=args.repeats,
                   do_profile=not args.no_profile, sudoku_workdir=args.sudoku_workdir,
                   pubmedqa_workdir=args.pubmedqa_workdir, pubmedqa_steps=args.pubmedqa_steps,
-                  pubmedqa_prefix=args.pubmedqa_prefix, dtype=args.dtype, compile=args.compile)
+                  pubmedqa_prefix=args.pubmedqa_prefix,
+                  pubmedqa_no_repeat=args.pubmedqa_no_repeat, dtype=args.dtype, compile=args.compile)
     if ctx.device.startswith("cuda") and not args.quick and args.suite != "gpu":
         ctx.profile = "gpu"
     torch.manual_seed(0)
