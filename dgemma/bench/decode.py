@@ -646,7 +646,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
 
     def diffusion_row(b: int, recs: list[dict], steps: int, signal: bool, reuse: bool = False) -> None:
         name = (f"pubmedqa diffusion S={steps} b{b}" + ("" if signal == default_signal else " no signal")
-                + (" reused keys" if reuse else ""))
+                + (" reused keys" if reuse else "") + (" no repeats" if e.commit_no_repeat else ""))
         base = ar_rows.get(b)  # a diffusion pass over the same questions costs about 4 AR passes at 32 steps
         est = 4.0 * base["seconds"] * steps / 32 if base else 0.0
         if not budget.allows(est):

@@ -235,6 +235,7 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     assert {x["steps"] for x in r3["rows"] if x["kind"] == "diffusion"} == {3}
     named = [x["name"] for x in r3["ratios"] if x["name"].startswith("pubmedqa")]
     assert named and all(", template pinned, no repeats (acc" in n for n in named)
+    assert all(x["name"].endswith(" no repeats") == (x["kind"] == "diffusion") for x in r3["rows"])
     assert diff_run.cfg.eval_ds.response_prefix == ar_run.cfg.eval_ds.response_prefix == "The answer is:"
     assert r3["settings"]["pubmedqa"]["commit_no_repeat"] and diff_run.cfg.eval_ds.commit_no_repeat
     assert harness.build_sampler(diff_run, task, num_steps=3, step_type="commit", temperature=0.0,
