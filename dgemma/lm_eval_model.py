@@ -73,8 +73,8 @@ from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.pretrained import load_pretrained
 from dgemma.models.selfcond import expected_embedding
-from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_defaults,
-                             max_canvases)
+from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_cfg,
+                             interactive_defaults, max_canvases)
 from dgemma.tasks.sudoku import puzzle_hint
 from dgemma.training.runs import load_run
 from dgemma.training.trainer import derive_seed
@@ -120,8 +120,8 @@ class DGemmaLM(TemplateLM):
         self.cfg = None
         if run is not None:
             r = load_run(run, step=step, device=self.device_, dtype=dtype)
-            self.cfg, self.model, self.tok, self.noise = r.cfg, r.model, r.tokenizer, r.noise()
-            e, d = r.cfg.eval_ds, r.cfg.diffusion
+            self.cfg, self.model, self.tok, self.noise = interactive_cfg(r.cfg), r.model, r.tokenizer, r.noise()
+            e, d = self.cfg.eval_ds, r.cfg.diffusion
             self.canvas_size, default_canvases, self.t_eps = d.canvas_size, max_canvases(r.cfg), d.t_eps
             run_steps, run_rule = interactive_defaults(e)
             defaults = {"steps": run_steps, "step_type": e.step_type, "temperature": e.temperature,

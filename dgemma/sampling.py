@@ -111,6 +111,20 @@ def interactive_defaults(e) -> tuple[int, str]:
     return steps, rule
 
 
+INTERACTIVE = {"interactive_self_condition": "self_condition", "interactive_reuse_canvas_keys": "reuse_canvas_keys",
+               "interactive_no_repeat": "commit_no_repeat"}  # eval_ds.interactive_* -> the eval_ds field it replaces
+
+
+def interactive_cfg(cfg):
+    """``cfg`` as the interactive front ends decode with it (``dgemma generate``, the playground and
+    OpenAI API, :func:`load_model`, the lm-eval model): each ``eval_ds.interactive_*`` setting the
+    run names (:data:`INTERACTIVE`) in place of the one ``dgemma eval`` measures. A shipped run can
+    so default its users to a faster measured setting while its evaluation tables stay reproducible."""
+    e = cfg.eval_ds
+    over = {field: getattr(e, name) for name, field in INTERACTIVE.items() if getattr(e, name) is not None}
+    return replace(cfg, eval_ds=replace(e, **over)) if over else cfg
+
+
 def resolve_logit_bias(bias: dict[str, float] | None, tokenizer) -> dict[int, float]:
     """``eval_ds.logit_bias`` (keyed by a token's text, e.g. ``{" no": 1.5}``) keyed by token id.
     Each key must be exactly one token of ``tokenizer``: a bias on a word that splits into
@@ -296,9 +310,10 @@ def load_model(source: str | Path, *, pretrained: bool = False, dtype: str = "au
     device = torch.device(device) if device else default_device()
     if not pretrained:
         run = load_run(source, dtype=dtype, device=device)
-        e = run.cfg.eval_ds
+        cfg = interactive_cfg(run.cfg)
+        e = cfg.eval_ds
         steps, rule = interactive_defaults(e)
-        defaults = eval_settings(run.cfg, num_steps=steps, step_type=e.step_type, temperature=e.temperature,
+        defaults = eval_settings(cfg, num_steps=steps, step_type=e.step_type, temperature=e.temperature,
                                  early_stopping=rule, tokenizer=run.tokenizer)
         return Model(run.model, run.tokenizer, run.noise(), run.cfg.diffusion.canvas_size, run.cfg.data.prompt_len,
                      defaults, trained=True, source=str(source))

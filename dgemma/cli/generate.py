@@ -51,15 +51,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "else 0.9)")
     p.add_argument("--early-stopping", choices=["none", "entropy", "stable_confident"])
     p.add_argument("--canvases", type=int, help="canvases at most (default: the run's)")
-    p.add_argument("--no-self-condition", dest="self_condition", action="store_false", default=None,
-                   help="feed every step the zero self-conditioning signal "
-                        "(faster; docs/concepts/self-conditioning.md)")
+    p.add_argument("--self-condition", dest="self_condition", action=argparse.BooleanOptionalAction, default=None,
+                   help="feed each step the last prediction; --no-self-condition: the zero signal (faster; "
+                        "docs/concepts/self-conditioning.md). Default: the run's interactive setting")
     p.add_argument("--no-repeat", dest="no_repeat", action="store_true", default=None,
                    help="commit step: no token equal to a neighbour's, the runner-up instead "
                         "(docs/concepts/samplers.md)")
-    p.add_argument("--reuse-canvas-keys", dest="reuse_canvas_keys", action="store_true", default=None,
-                   help="approximate and faster, with --no-self-condition: a pass recomputes only the canvas "
-                        "positions the step reads and those that changed (docs/concepts/samplers.md)")
+    p.add_argument("--allow-repeats", dest="no_repeat", action="store_false",
+                   help="commit step: a token may equal a neighbour's (turns a run's --no-repeat default off)")
+    p.add_argument("--reuse-canvas-keys", dest="reuse_canvas_keys", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="approximate and faster, without the signal: a pass recomputes only the canvas positions "
+                        "the step reads and those that changed (docs/concepts/samplers.md); "
+                        "--no-reuse-canvas-keys: every pass whole")
     p.add_argument("--prefix", metavar="TEXT",
                    help="text every answer starts with, pinned at the start of the first canvas (e.g. the shipped "
                         "adapter's \"The answer is:\"); it must end where the answers' tokens do")

@@ -44,8 +44,8 @@ from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import DEFAULT_VARIANTS, round_steps, solve_verified
 from dgemma.eval.visualize import Frame, sudoku_cells, token_piece
 from dgemma.models.pretrained import load_pretrained
-from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_defaults, max_canvases,
-                             resolve_prefix)
+from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_cfg,
+                             interactive_defaults, max_canvases, resolve_prefix)
 from dgemma.tasks import get_task, response_stop_ids
 from dgemma.tasks.sudoku import extract_digits
 from dgemma.training.config import load_config
@@ -239,7 +239,7 @@ class ModelSlot:
             raise DGemmaError(f"no {self.role} model is configured" + (f": {self.hint}" if self.hint else ""))
         src = Path(self.source)
         if is_run(src):
-            self._info = _run_info(src, load_config(src / "config.json"), self.limits)
+            self._info = _run_info(src, interactive_cfg(load_config(src / "config.json")), self.limits)
         elif self.source == PRETRAINED or src.exists():
             self._info = _pretrained_info(self.source, self.limits)
         else:

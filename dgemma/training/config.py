@@ -228,6 +228,9 @@ class EvalConfig:
     # what generate, serve, load_model and the lm-eval model decode with unless asked otherwise
     interactive_steps: int | None = None  # steps of generate / serve / load_model / lm-eval (None: steps[0])
     interactive_early_stopping: Literal["none", "entropy", "stable_confident"] | None = None  # None: early_stopping
+    interactive_self_condition: bool | None = None  # None: self_condition
+    interactive_reuse_canvas_keys: bool | None = None  # None: reuse_canvas_keys
+    interactive_no_repeat: bool | None = None  # None: commit_no_repeat
     num_examples: int = 256
     split: str | None = None  # the evaluators' split (None: the task's default, e.g. test)
     seed: int = 0

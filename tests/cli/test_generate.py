@@ -99,15 +99,21 @@ def test_examples_shipped_with_a_model(tiny_run, tmp_path):
 def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp_path):
     """``eval_ds.interactive_steps`` / ``interactive_early_stopping`` set what generate, the
     playground, load_model and the lm-eval model decode with unless asked; unset, the run's first
-    evaluation (``steps[0]``, ``early_stopping``). The shipped PubMedQA adapter names 16 steps and
-    no early stop: its first evaluation (8 steps) loses a fifth of the test verdicts."""
+    evaluation (``steps[0]``, ``early_stopping``). ``interactive_self_condition`` /
+    ``interactive_no_repeat`` / ``interactive_reuse_canvas_keys`` replace their ``eval_ds``
+    counterparts for the same front ends, and not for ``dgemma eval`` (its tables stay as measured).
+    The shipped PubMedQA adapter names 16 steps and no early stop: its first evaluation (8 steps)
+    loses a fifth of the test verdicts."""
     import shutil
 
     from dgemma import shipped
+    from dgemma.eval import harness
     from dgemma.lm_eval_model import DGemmaLM
     from dgemma.sampling import interactive_defaults, load_model
-    from dgemma.serve.engine import Limits, _run_info
+    from dgemma.serve.engine import Limits, ModelSlot
+    from dgemma.tasks import get_task
     from dgemma.training.config import load_config
+    from dgemma.training.runs import load_run
 
     work = tmp_path / "run"
     shutil.copytree(tiny_run, work)
@@ -117,19 +123,36 @@ def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp
         raw["eval_ds"].update(steps=[3, 5], early_stopping="entropy", **eval_ds)
         (work / "config.json").write_text(json.dumps(raw))
         cfg = load_config(str(work / "config.json"))
-        serve = _run_info(work, cfg, Limits()).defaults
+        info = ModelSlot("text", work, limits=Limits()).info()  # the playground's and the OpenAI API's
+        serve = info.defaults
         lm = DGemmaLM(run=str(work), device="cpu")
         model = load_model(work, device="cpu")
         r = cli("--checkpoint", str(work), PUZZLE, "--out", str(tmp_path / "o.jsonl"))
         assert r.returncode == 0, r.stderr[-2000:]
         gen = json.loads((tmp_path / "o.jsonl").read_text())["settings"]
-        return {(model.defaults.num_steps, model.defaults.early_stopping), (serve["num_steps"], serve["early_stopping"]),
+        m, ls, se = model.defaults, lm.run_settings, info.cfg.eval_ds
+        flags = {(m.self_condition, m.commit_no_repeat, m.reuse_canvas_keys),
+                 (se.self_condition, serve["no_repeat"], se.reuse_canvas_keys),
+                 (ls.self_condition, ls.commit_no_repeat, ls.reuse_canvas_keys),
+                 (gen["self_condition"], gen["commit_no_repeat"], gen["reuse_canvas_keys"])}
+        return {(m.num_steps, m.early_stopping), (serve["num_steps"], serve["early_stopping"]),
                 (lm.steps, lm.early_stopping or "none"), (gen["num_steps"], gen["early_stopping"]),
-                interactive_defaults(cfg.eval_ds)}
+                interactive_defaults(cfg.eval_ds)}, flags
 
-    assert front_ends() == {(3, "entropy")}
-    assert front_ends(interactive_steps=5, interactive_early_stopping="none") == {(5, "none")}
-    assert front_ends(interactive_steps=5, interactive_early_stopping=None) == {(5, "entropy")}
+    assert front_ends() == ({(3, "entropy")}, {(True, False, False)})
+    steps, flags = front_ends(interactive_steps=5, interactive_early_stopping="none", interactive_self_condition=False,
+                              interactive_no_repeat=True, interactive_reuse_canvas_keys=True)
+    assert steps == {(5, "none")} and flags == {(False, True, True)}
+    r = cli("--checkpoint", str(work), PUZZLE, "--out", str(tmp_path / "o.jsonl"), "--self-condition",
+            "--allow-repeats", "--no-reuse-canvas-keys")  # asked: each default turned back off
+    assert r.returncode == 0, r.stderr[-2000:]
+    gen = json.loads((tmp_path / "o.jsonl").read_text())["settings"]
+    assert (gen["self_condition"], gen["commit_no_repeat"], gen["reuse_canvas_keys"]) == (True, False, False)
+    run = load_run(work)
+    evaluated = harness.build_sampler(run, get_task("sudoku").configure(run.cfg), num_steps=3, step_type="commit",
+                                      temperature=0.0, early_stopping=None)[0]  # dgemma eval: the run's eval_ds
+    assert (evaluated.self_condition, evaluated.step.no_repeat, evaluated.reuse_canvas_keys) == (True, False, False)
+    assert front_ends(interactive_steps=5, interactive_early_stopping=None)[0] == {(5, "entropy")}
     lm = DGemmaLM(run=str(work), device="cpu", early_stopping="none")  # asked: none, over the run's rule
     assert lm.early_stopping is None
     assert interactive_defaults(load_config(str(shipped.PUBMEDQA / "config.json")).eval_ds) == (16, "none")
