@@ -109,7 +109,7 @@ def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp
     from dgemma import shipped
     from dgemma.eval import harness
     from dgemma.lm_eval_model import DGemmaLM
-    from dgemma.sampling import interactive_defaults, load_model
+    from dgemma.sampling import interactive_cfg, interactive_defaults, load_model
     from dgemma.serve.engine import Limits, ModelSlot
     from dgemma.tasks import get_task
     from dgemma.training.config import load_config
@@ -155,4 +155,8 @@ def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp
     assert front_ends(interactive_steps=5, interactive_early_stopping=None)[0] == {(5, "entropy")}
     lm = DGemmaLM(run=str(work), device="cpu", early_stopping="none")  # asked: none, over the run's rule
     assert lm.early_stopping is None
-    assert interactive_defaults(load_config(str(shipped.PUBMEDQA / "config.json")).eval_ds) == (16, "none")
+    shipped_cfg = load_config(str(shipped.PUBMEDQA / "config.json"))
+    assert interactive_defaults(shipped_cfg.eval_ds) == (16, "none")
+    e = interactive_cfg(shipped_cfg).eval_ds  # measured on all 500 test questions (the card, 2026-12-07)
+    assert (e.self_condition, e.reuse_canvas_keys, e.commit_no_repeat) == (False, True, True)
+    assert shipped_cfg.eval_ds.self_condition and not shipped_cfg.eval_ds.commit_no_repeat  # what dgemma eval reports

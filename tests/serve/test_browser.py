@@ -173,7 +173,9 @@ def test_browser_answers_a_pubmedqa_question_with_the_shipped_adapter(live_serve
         assert page.input_value("#system") == examples[0]["system"]
         page.fill("#t-num_steps", "16")
         page.fill("#t-max_canvases", "1")  # the verdict comes first: one canvas holds it
-        assert page.is_visible("#t-self_condition") and page.is_checked("#t-self_condition")  # the run's setting
+        # the run's interactive settings (eval_ds.interactive_*): no signal, no repeats
+        assert page.is_visible("#t-self_condition") and not page.is_checked("#t-self_condition")
+        assert page.is_visible("#t-no_repeat") and page.is_checked("#t-no_repeat")
 
         def generate() -> tuple[str, dict]:
             """Press Generate; the answer once done and the request body the page sent."""
@@ -186,14 +188,14 @@ def test_browser_answers_a_pubmedqa_question_with_the_shipped_adapter(live_serve
         status = page.inner_text("#t-status")
         page.screenshot(path=str(tmp_path / "pubmedqa.png"), full_page=True)
 
-        # the switch: off, the page asks for the zero signal, and the answer keeps its form
+        # the switch: on, the page asks for the signal, and the answer keeps its form
+        page.check("#t-self_condition")
+        text_on, body_on = generate()
         page.uncheck("#t-self_condition")
-        text_off, body_off = generate()
 
-        # the no-repeat switch: shown for the commit step, off as the run has it, sent when ticked
-        assert page.is_visible("#t-no_repeat") and not page.is_checked("#t-no_repeat")
-        page.check("#t-no_repeat")
-        text_nr, body_nr = generate()
+        # the no-repeat switch: shown for the commit step, on as the run has it, sent when cleared
+        page.uncheck("#t-no_repeat")
+        text_rep, body_rep = generate()
         page.select_option("#t-step_type", "confidence")
         assert not page.is_visible("#t-no_repeat")  # a commit-step rule
 
@@ -207,9 +209,9 @@ def test_browser_answers_a_pubmedqa_question_with_the_shipped_adapter(live_serve
     assert body_pre["prefix"] == "The answer is:"
     assert re.search(r"^\s*canvas 1.*\n?The answer is: (yes|no|maybe)", text_pre), text_pre
     assert "prefix" not in body  # the field left empty sends none
-    assert body_nr["no_repeat"] is True and body["no_repeat"] is False
-    assert re.search(r"The answer is: (yes|no|maybe)", text_nr), text_nr
+    assert body["no_repeat"] is True and body_rep["no_repeat"] is False
+    assert re.search(r"The answer is: (yes|no|maybe)", text_rep), text_rep
     assert re.search(r"The answer is: (yes|no|maybe)", text), text
     assert "done" in status, status
-    assert body["self_condition"] is True and body_off["self_condition"] is False
-    assert re.search(r"The answer is: (yes|no|maybe)", text_off), text_off
+    assert body["self_condition"] is False and body_on["self_condition"] is True
+    assert re.search(r"The answer is: (yes|no|maybe)", text_on), text_on
