@@ -24,7 +24,7 @@ from dgemma.models.attention import BACKENDS, MaskSpec, get_attention
 from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import ENCODER_MODES, WINDOW_ANCHORS, TokenInfo
 from dgemma.models.moe import Experts, Router
-from dgemma.models.primitives import GeGLU, RMSNorm, Rotary, apply_rotary, head_product
+from dgemma.models.primitives import GeGLU, Linear, RMSNorm, Rotary, apply_rotary, head_product
 from dgemma.models.selfcond import SelfConditioning, TimeEmbedding
 from dgemma.models.structure import CanvasPositionGroups, validate_groups
 
@@ -129,11 +129,11 @@ class Attention(nn.Module):
         self.scale = cfg.query_pre_attn_scalar**-0.5
         self.softcap = cfg.attn_logit_softcapping
         norm = dict(eps=cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = (None if cfg.attention_k_eq_v and is_global
-                       else nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False))
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+                       else Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False))
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, **norm)
         self.k_norm = RMSNorm(self.head_dim, **norm)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False) if cfg.value_norm else None

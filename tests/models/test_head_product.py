@@ -1,5 +1,6 @@
-"""Products against the 262,144-word embedding (``primitives.py:fast_linear``): oneDNN for fp32 inference on
-a CPU, ``linear`` everywhere else, and the same numbers either way up to fp32 rounding."""
+"""Products against the 262,144-word embedding (``primitives.py:fast_linear``) and the decoder's projections
+(``primitives.py:Linear``): oneDNN for fp32 inference on a CPU, ``linear`` everywhere else, and the same numbers
+either way up to fp32 rounding."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgemma.models import primitives
-from dgemma.models.primitives import fast_linear, head_product, onednn_fits
+from dgemma.models.primitives import Linear, fast_linear, head_product, onednn_fits
 from dgemma.models.selfcond import embed_probs
 from dgemma.models.transformer import DiffusionGemma, ModelConfig
 
@@ -30,6 +31,63 @@ def test_onednn_product_equals_linear(rows):
     assert got.shape == want.shape == (rows, 1000)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 11, 32, 33])
+def test_wide_weight_swapped_product_equals_linear(rows, monkeypatch):
+    """2-32 rows against a vocabulary-wide weight take ``(weight @ x.T).T``; 1 and 33 the plain order."""
+    monkeypatch.setattr(primitives, "_WIDE", 1000)  # the 1,000-row test head counts as a vocabulary
+    lin = head()
+    h = torch.randn(rows, 64)
+    calls = []
+    real = primitives._onednn
+    monkeypatch.setattr(primitives, "_onednn", lambda a, b: calls.append(a.shape[0]) or real(a, b))
+    with torch.no_grad():
+        got, want = fast_linear(h, lin.weight), F.linear(h, lin.weight)
+    assert calls == [1000 if 2 <= rows <= 32 else rows]
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 1, 64), (1, 2, 64), (4, 16, 64), (1, 65, 64), (3, 64)])
+def test_decoder_linear_takes_onednn_for_2_to_64_rows(shape, monkeypatch):
+    torch.manual_seed(0)
+    lin = Linear(64, 96, bias=False)
+    x = torch.randn(*shape)
+    calls = []
+    real = primitives._onednn
+    monkeypatch.setattr(primitives, "_onednn", lambda a, b: calls.append(a.shape[0]) or real(a, b))
+    with torch.no_grad():
+        got, want = lin(x), F.linear(x, lin.weight)
+    rows = x.numel() // 64
+    assert calls == ([rows] if 2 <= rows <= 64 else [])
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    biased = Linear(64, 96)  # a bias keeps linear
+    with torch.no_grad():
+        assert torch.equal(biased(x), F.linear(x, biased.weight, biased.bias))
+
+
+def test_decoder_linear_trains_and_takes_lora():
+    """Gradients on the plain product, and peft wraps the subclass as it wraps ``nn.Linear``."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    lin = Linear(64, 96, bias=False)
+    x = torch.randn(4, 64, requires_grad=True)
+    lin(x).square().sum().backward()
+    torch.testing.assert_close(x.grad, torch.autograd.grad(F.linear(x, lin.weight).square().sum(), x)[0])
+    assert lin.weight.grad is not None
+    net = nn.Sequential()
+    net.add_module("proj", Linear(64, 96, bias=False))
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["proj"], init_lora_weights=False), net)
+    assert type(net.proj).__module__.startswith("peft") and isinstance(net.proj.base_layer, Linear)
+    with torch.no_grad():
+        got = net.proj(x[:3])
+    assert not torch.allclose(got, F.linear(x[:3], net.proj.base_layer.weight))  # the adapter's term is added
 
 
 @needs_onednn

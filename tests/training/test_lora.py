@@ -9,6 +9,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from dgemma.errors import DGemmaError
+from dgemma.models.primitives import Linear
 from dgemma.models.transformer import DiffusionGemma, ModelConfig
 from dgemma.training.config import apply_overrides, load_config
 from dgemma.training.lora import apply_lora, is_adapter_param, merge_lora, resolve_targets
@@ -96,7 +97,7 @@ def test_all_linear_never_wraps_lm_head_or_the_selfcond_block():
     assert wrapped == {n.rsplit(".lora_", 1)[0] for n in lora_names(2, ATTN + MLP)}
     assert type(model.lm_head) is nn.Linear
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert type(model.self_conditioning.mlp.down_proj) is nn.Linear
+    assert type(model.self_conditioning.mlp.down_proj) is Linear  # the decoder's own, unwrapped
 
 
 def test_step_zero_equals_the_base_exactly_in_fp64():
