@@ -129,9 +129,9 @@ def fast_linear(x: Tensor, weight: Tensor) -> Tensor:
     270M's 262,144 x 640 embedding (the one row of an AR step, the few a denoising step reads)
     used a fraction of the memory bandwidth on an AMD EPYC: 44 ms for one row of the LM head and
     121 ms for four, against 22 and 54 ms for oneDNN's ``_linear_pointwise`` on the same weight,
-    uncopied (``docs/benchmarks.md``, 2026-12-06, late). For 2-32 rows against such a wide weight
-    oneDNN is faster still with the operands swapped, ``(weight @ x.T).T``: 35 / 49 / 43 ms for
-    4 / 11 / 16 rows against 44 / 64 / 71 (2026-12-07), with the same bits there (each output is
+    uncopied (``docs/benchmarks.md``, 2026-12-06, late). For 2-24 rows against such a wide weight
+    oneDNN is faster still with the operands swapped, ``(weight @ x.T).T``: 35 / 53 / 51 ms for
+    4 / 11 / 16 rows against 44 / 64 / 71 (2026-12-07, later), with the same bits there (each output is
     the same dot product). The sums are ordered differently from ``linear``'s, so results differ
     from it in the last bits (about 1e-6 relative). Anything that needs gradients, another dtype
     or device, or a graph being compiled keeps ``linear``.
@@ -139,27 +139,27 @@ def fast_linear(x: Tensor, weight: Tensor) -> Tensor:
     if not onednn_fits(x, weight):
         return F.linear(x, weight)
     x = x.contiguous()
-    if 2 <= x.shape[0] <= 32 and weight.shape[0] >= _WIDE and weight.is_contiguous():
+    if 2 <= x.shape[0] <= 24 and weight.shape[0] >= _WIDE and weight.is_contiguous():
         return _onednn(weight, x).t().contiguous()
     return _onednn(x, weight)
 
 
 class Linear(nn.Linear):
     """A bias-free ``nn.Linear`` of the decoder (attention and MLP projections) whose fp32 CPU
-    inference on 2-64 rows goes through oneDNN (``fast_linear``).
+    inference on 2-32 rows goes through oneDNN (``fast_linear``).
 
     MKL, which PyTorch calls for fp32 on a CPU, is the faster of the two for one row (an AR step
     at batch 1: 71 against 205 us for 640 -> 1,024) and level from about 100 rows (a prefill), but
     1.2-1.8x slower for the few rows of a partial denoising pass or a batched AR step (an AMD
-    EPYC, 2026-12-07: 4 rows of 640 -> 2,048 took 761 us against 425). Decoding the PubMedQA
-    adapter at batch 1 wrote the same tokens about 12% faster with it (``docs/benchmarks.md``,
-    2026-12-07). The sums are ordered differently from MKL's: the last bits differ. peft wraps it
-    as it wraps ``nn.Linear``.
+    EPYC, 2026-12-07: 4 rows of 2,048 -> 640 took 761 us against 425). Decoding the PubMedQA
+    adapter at batch 1 wrote the same tokens about 15% faster with it and the swapped head
+    (``docs/benchmarks.md``, 2026-12-07, later). The sums are ordered differently from MKL's: the
+    last bits differ. peft wraps it as it wraps ``nn.Linear``.
     """
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if self.bias is None and 2 <= rows <= 64 and onednn_fits(x, self.weight):
+        if self.bias is None and 2 <= rows <= 32 and onednn_fits(x, self.weight):
             return _onednn(x.reshape(rows, x.shape[-1]).contiguous(), self.weight).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
