@@ -73,8 +73,7 @@ from dgemma.models.kv_cache import KVCache
 from dgemma.models.masks import TokenInfo
 from dgemma.models.pretrained import load_pretrained
 from dgemma.models.selfcond import expected_embedding
-from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_cfg,
-                             interactive_defaults, max_canvases)
+from dgemma.sampling import SamplerConfig, build_rules, build_sampler, eval_settings, interactive_cfg, max_canvases
 from dgemma.tasks.sudoku import puzzle_hint
 from dgemma.training.runs import load_run
 from dgemma.training.trainer import derive_seed
@@ -123,9 +122,8 @@ class DGemmaLM(TemplateLM):
             self.cfg, self.model, self.tok, self.noise = interactive_cfg(r.cfg), r.model, r.tokenizer, r.noise()
             e, d = self.cfg.eval_ds, r.cfg.diffusion
             self.canvas_size, default_canvases, self.t_eps = d.canvas_size, max_canvases(r.cfg), d.t_eps
-            run_steps, run_rule = interactive_defaults(e)
-            defaults = {"steps": run_steps, "step_type": e.step_type, "temperature": e.temperature,
-                        "early_stopping": None if run_rule == "none" else run_rule}
+            defaults = {"steps": e.steps[0], "step_type": e.step_type, "temperature": e.temperature,
+                        "early_stopping": None if e.early_stopping in (None, "none") else e.early_stopping}
             self.entropy_threshold = e.entropy_threshold
             self.logit_bias = None  # the run's eval_ds.logit_bias, resolved once in run_settings (generation only)
             self.pin_clues = bool(r.cfg.data.pin_clues) if pin_clues is None else bool(pin_clues)

@@ -100,28 +100,24 @@ def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
                          prefix=resolve_prefix(e.response_prefix, tokenizer))
 
 
-def interactive_defaults(e) -> tuple[int, str]:
-    """``(steps, early_stopping)`` a run decodes with when a user does not say (``dgemma generate``,
-    the playground and OpenAI API, :func:`load_model`, the lm-eval model): ``eval_ds.interactive_steps``
-    and ``interactive_early_stopping`` where the run names them, else its first evaluation's.
-    ``eval_ds.steps`` and ``early_stopping`` list what ``dgemma eval`` measures (the PubMedQA
-    recipe lists 8 steps first), which need not be the setting a run's quality is reported at."""
-    steps = e.interactive_steps or e.steps[0]
-    rule = e.interactive_early_stopping or e.early_stopping or "none"
-    return steps, rule
-
-
 INTERACTIVE = {"interactive_self_condition": "self_condition", "interactive_reuse_canvas_keys": "reuse_canvas_keys",
-               "interactive_no_repeat": "commit_no_repeat"}  # eval_ds.interactive_* -> the eval_ds field it replaces
+               "interactive_no_repeat": "commit_no_repeat",
+               "interactive_early_stopping": "early_stopping"}  # eval_ds.interactive_* -> the field it replaces
 
 
 def interactive_cfg(cfg):
     """``cfg`` as the interactive front ends decode with it (``dgemma generate``, the playground and
     OpenAI API, :func:`load_model`, the lm-eval model): each ``eval_ds.interactive_*`` setting the
-    run names (:data:`INTERACTIVE`) in place of the one ``dgemma eval`` measures. A shipped run can
-    so default its users to a faster measured setting while its evaluation tables stay reproducible."""
+    run names (:data:`INTERACTIVE`) in place of the one ``dgemma eval`` measures, and
+    ``interactive_steps`` as the only entry of ``steps``. The front ends then read ``steps[0]`` and
+    ``early_stopping``. ``eval_ds.steps`` lists what ``dgemma eval`` measures (the PubMedQA recipe
+    lists 8 steps first), which need not be the setting a run's quality is reported at: a shipped
+    run can so default its users to a faster measured setting while its evaluation tables stay
+    reproducible."""
     e = cfg.eval_ds
     over = {field: getattr(e, name) for name, field in INTERACTIVE.items() if getattr(e, name) is not None}
+    if e.interactive_steps:
+        over["steps"] = [e.interactive_steps]
     return replace(cfg, eval_ds=replace(e, **over)) if over else cfg
 
 
@@ -312,9 +308,8 @@ def load_model(source: str | Path, *, pretrained: bool = False, dtype: str = "au
         run = load_run(source, dtype=dtype, device=device)
         cfg = interactive_cfg(run.cfg)
         e = cfg.eval_ds
-        steps, rule = interactive_defaults(e)
-        defaults = eval_settings(cfg, num_steps=steps, step_type=e.step_type, temperature=e.temperature,
-                                 early_stopping=rule, tokenizer=run.tokenizer)
+        defaults = eval_settings(cfg, num_steps=e.steps[0], step_type=e.step_type, temperature=e.temperature,
+                                 early_stopping=e.early_stopping or "none", tokenizer=run.tokenizer)
         return Model(run.model, run.tokenizer, run.noise(), run.cfg.diffusion.canvas_size, run.cfg.data.prompt_len,
                      defaults, trained=True, source=str(source))
     model, tokenizer = load_pretrained(str(source))

@@ -10,8 +10,9 @@ is not what a trained model writes.
 carries test-set questions; ``--list-examples`` prints them). ``--file F`` reads prompts from a text file (one per line) or a JSONL file (``{"prompt": ...,
 "system": ...}`` per line, e.g. ``data/pubmedqa/test.jsonl``); ``--out F.jsonl`` writes one
 record per prompt (prompt, output, tokens, forward passes, seconds, settings). Sampler settings
-default to the run's ``eval_ds`` (step rule, temperature; steps and early stopping from
-``dgemma/sampling.py:interactive_defaults``: 16 steps and none for the shipped adapter).
+default to the run's interactive settings (``dgemma/sampling.py:interactive_cfg``: its ``eval_ds``
+with each ``interactive_*`` field in place; 16 steps, no early stop, no signal, reused keys and no
+repeats for the shipped adapter).
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import DEFAULT_VARIANTS, round_steps, solve_verified
 from dgemma.eval.visualize import Frame, sudoku_cells, token_piece
 from dgemma.models.pretrained import load_pretrained
-from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_cfg,
-                             interactive_defaults, max_canvases, resolve_prefix)
+from dgemma.sampling import (SamplerConfig, build_rules, build_sampler, eval_settings, interactive_cfg, max_canvases,
+                             resolve_prefix)
 from dgemma.tasks import get_task, response_stop_ids
 from dgemma.tasks.sudoku import extract_digits
 from dgemma.training.config import load_config
@@ -162,11 +162,10 @@ class Engine:
 
 
 def _run_info(workdir: Path, cfg, limits: Limits) -> ModelInfo:
-    e = cfg.eval_ds
-    steps, rule = interactive_defaults(e)
+    e = cfg.eval_ds  # interactive_cfg's
     defaults = {"step_type": e.step_type if e.step_type in STEPS else "commit",
-                "num_steps": min(steps, limits.max_steps),
-                "temperature": e.temperature, "early_stopping": rule,
+                "num_steps": min(e.steps[0], limits.max_steps),
+                "temperature": e.temperature, "early_stopping": e.early_stopping or "none",
                 "threshold": e.confidence_threshold,
                 # the page's switch: None where the model has no self-conditioning block
                 "self_condition": bool(e.self_condition) if cfg.model.self_conditioning else None,

@@ -109,7 +109,7 @@ def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp
     from dgemma import shipped
     from dgemma.eval import harness
     from dgemma.lm_eval_model import DGemmaLM
-    from dgemma.sampling import interactive_cfg, interactive_defaults, load_model
+    from dgemma.sampling import interactive_cfg, load_model
     from dgemma.serve.engine import Limits, ModelSlot
     from dgemma.tasks import get_task
     from dgemma.training.config import load_config
@@ -137,7 +137,7 @@ def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp
                  (gen["self_condition"], gen["commit_no_repeat"], gen["reuse_canvas_keys"])}
         return {(m.num_steps, m.early_stopping), (serve["num_steps"], serve["early_stopping"]),
                 (lm.steps, lm.early_stopping or "none"), (gen["num_steps"], gen["early_stopping"]),
-                interactive_defaults(cfg.eval_ds)}, flags
+                (interactive_cfg(cfg).eval_ds.steps[0], interactive_cfg(cfg).eval_ds.early_stopping)}, flags
 
     assert front_ends() == ({(3, "entropy")}, {(True, False, False)})
     steps, flags = front_ends(interactive_steps=5, interactive_early_stopping="none", interactive_self_condition=False,
@@ -156,7 +156,7 @@ def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp
     lm = DGemmaLM(run=str(work), device="cpu", early_stopping="none")  # asked: none, over the run's rule
     assert lm.early_stopping is None
     shipped_cfg = load_config(str(shipped.PUBMEDQA / "config.json"))
-    assert interactive_defaults(shipped_cfg.eval_ds) == (16, "none")
     e = interactive_cfg(shipped_cfg).eval_ds  # measured on all 500 test questions (the card, 2026-12-07)
-    assert (e.self_condition, e.reuse_canvas_keys, e.commit_no_repeat) == (False, True, True)
+    assert (e.steps, e.early_stopping, e.self_condition, e.reuse_canvas_keys, e.commit_no_repeat) == (
+        [16], "none", False, True, True)
     assert shipped_cfg.eval_ds.self_condition and not shipped_cfg.eval_ds.commit_no_repeat  # what dgemma eval reports
