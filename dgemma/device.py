@@ -23,7 +23,7 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16")
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # Linux /proc/cpuinfo names
 
 
-def _linux_cpu_flags() -> set[str]:
+def linux_cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -39,7 +39,7 @@ def cpu_bf16_features() -> tuple[str, ...]:
     """The native bf16 matrix features of this CPU (empty: none)."""
     system = platform.system()
     if system == "Linux":
-        flags = _linux_cpu_flags()
+        flags = linux_cpu_flags()
         found = [f for f in CPU_BF16_FLAGS if f in flags]
         if "bf16" in flags and platform.machine() in ("aarch64", "arm64"):
             found.append("arm_bf16")

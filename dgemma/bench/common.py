@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dgemma.device import heap_policy
+from dgemma.models import smallm
 
 SCHEMA_VERSION = 1
 TIMING_METHOD = ("wall clock (time.perf_counter, CUDA synchronised) around each call; median over the timed "
@@ -326,6 +327,7 @@ def machine_info(device: str = "cpu") -> dict:
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "heap": heap_policy(),  # glibc's policy for big tensors (dgemma/device.py:keep_freed_heap)
+        "smallm_kernel": smallm.kernel() is not None,  # fp32 CPU decoding's few-row products (models/smallm.py)
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": _version("transformers"),

@@ -21,7 +21,7 @@ of the noisy canvas (rounding only: the same numbers in exact arithmetic).
 
 ``kind="head_cost"`` rows (fp32 only, the dtype whose path differs) time the LM head's product of
 ``rows`` hidden states: ``linear`` (PyTorch's; MKL on an x86 CPU) against
-``dgemma/models/primitives.py:fast_linear`` (oneDNN for fp32 inference on a CPU), with
+``dgemma/models/primitives.py:fast_linear`` (the small-row kernel or oneDNN for fp32 inference on a CPU), with
 ``fast_vs_linear`` their ratio and ``max_abs_diff`` the largest gap between their logits.
 
 With ``--compile`` the same forwards also run through ``dgemma/models/compiled.py:CompiledModel``

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dgemma.models import smallm
+
 
 class RMSNorm(nn.Module):
     """Gemma RMSNorm: fp32 normalisation, then a learned scale; ``with_scale=False`` has no weight.
@@ -111,11 +113,16 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 _WIDE = 1 << 16  # a weight with this many output rows or more is a vocabulary (the LM head)
 
 
-def onednn_fits(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``fast_linear`` takes oneDNN's matmul: fp32 on a CPU, no gradient wanted, not being compiled."""
-    return (_ONEDNN_LINEAR and weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32
+def cpu_fp32_inference(x: Tensor, weight: Tensor) -> bool:
+    """fp32 on a CPU, no gradient wanted, no graph being compiled: where ``fast_linear`` may leave ``linear``."""
+    return (weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and not torch.compiler.is_compiling())
+
+
+def onednn_fits(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``fast_linear`` may take oneDNN's matmul: fp32 CPU inference and a torch built with it."""
+    return _ONEDNN_LINEAR and cpu_fp32_inference(x, weight)
 
 
 def _onednn(x: Tensor, weight: Tensor) -> Tensor:
@@ -123,22 +130,28 @@ def _onednn(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def fast_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x [N, k] @ weight [n, k].T``; for fp32 inference on a CPU, through oneDNN's matmul.
+    """``x [N, k] @ weight [n, k].T``; for fp32 inference on a CPU, not through MKL.
 
-    PyTorch sends an fp32 product on a CPU to MKL, whose products with few rows against the
-    270M's 262,144 x 640 embedding (the one row of an AR step, the few a denoising step reads)
-    used a fraction of the memory bandwidth on an AMD EPYC: 44 ms for one row of the LM head and
-    121 ms for four, against 22 and 54 ms for oneDNN's ``_linear_pointwise`` on the same weight,
-    uncopied (``docs/benchmarks.md``, 2026-12-06, late). For 2-24 rows against such a wide weight
-    oneDNN is faster still with the operands swapped, ``(weight @ x.T).T``: 35 / 53 / 51 ms for
-    4 / 11 / 16 rows against 44 / 64 / 71 (2026-12-07, later), with the same bits there (each output is
-    the same dot product). The sums are ordered differently from ``linear``'s, so results differ
-    from it in the last bits (about 1e-6 relative). Anything that needs gradients, another dtype
-    or device, or a graph being compiled keeps ``linear``.
+    1-64 rows against a packed weight go to the small-row kernel where this CPU builds it
+    (``smallm.py``): the fastest here at every such shape. Otherwise oneDNN's matmul: PyTorch sends
+    an fp32 product on a CPU to MKL, whose products with few rows against the 270M's 262,144 x 640
+    embedding (the one row of an AR step, the few a denoising step reads) used a fraction of the
+    memory bandwidth on an AMD EPYC: 44 ms for one row of the LM head and 121 ms for four, against
+    22 and 54 ms for oneDNN's ``_linear_pointwise`` on the same weight, uncopied
+    (``docs/benchmarks.md``, 2026-12-06, late). For 2-24 rows against such a wide weight oneDNN is
+    faster still with the operands swapped, ``(weight @ x.T).T``: 35 / 53 / 51 ms for 4 / 11 / 16
+    rows against 44 / 64 / 71 (2026-12-07, later), with the same bits there (each output is the
+    same dot product). The sums are ordered differently from ``linear``'s, so results differ from
+    it in the last bits (about 1e-6 relative). Anything that needs gradients, another dtype or
+    device, or a graph being compiled keeps ``linear``.
     """
-    if not onednn_fits(x, weight):
+    if not cpu_fp32_inference(x, weight):
         return F.linear(x, weight)
     x = x.contiguous()
+    if smallm.fits(x, weight):
+        return smallm.smallm_linear(x, weight)
+    if not _ONEDNN_LINEAR:
+        return F.linear(x, weight)
     if 2 <= x.shape[0] <= 24 and weight.shape[0] >= _WIDE and weight.is_contiguous():
         return _onednn(weight, x).t().contiguous()
     return _onednn(x, weight)
@@ -146,20 +159,20 @@ def fast_linear(x: Tensor, weight: Tensor) -> Tensor:
 
 class Linear(nn.Linear):
     """A bias-free ``nn.Linear`` of the decoder (attention and MLP projections) whose fp32 CPU
-    inference on 2-32 rows goes through oneDNN (``fast_linear``).
+    inference on few rows leaves MKL (``fast_linear``): 1-64 rows where the small-row kernel
+    builds, else 2-32 rows through oneDNN.
 
-    MKL, which PyTorch calls for fp32 on a CPU, is the faster of the two for one row (an AR step
-    at batch 1: 71 against 205 us for 640 -> 1,024) and level from about 100 rows (a prefill), but
-    1.2-1.8x slower for the few rows of a partial denoising pass or a batched AR step (an AMD
-    EPYC, 2026-12-07: 4 rows of 2,048 -> 640 took 761 us against 425). Decoding the PubMedQA
-    adapter at batch 1 wrote the same tokens about 15% faster with it and the swapped head
-    (``docs/benchmarks.md``, 2026-12-07, later). The sums are ordered differently from MKL's: the
-    last bits differ. peft wraps it as it wraps ``nn.Linear``.
+    MKL, which PyTorch calls for fp32 on a CPU, is the faster of it and oneDNN for one row (an AR
+    step at batch 1: 71 against 205 us for 640 -> 1,024) and level from about 100 rows (a prefill),
+    but 1.2-1.8x slower for the few rows of a partial denoising pass or a batched AR step (an AMD
+    EPYC, 2026-12-07: 4 rows of 2,048 -> 640 took 761 us against 425). The small-row kernel beats
+    both from one row to 64 (``smallm.py``). The sums are ordered differently from MKL's: the last
+    bits differ. peft wraps it as it wraps ``nn.Linear``.
     """
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if self.bias is None and 2 <= rows <= 32:
+        if self.bias is None and (2 <= rows <= 32 or 1 <= rows <= smallm.MAX_ROWS and smallm.kernel() is not None):
             return fast_linear(x.reshape(rows, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 

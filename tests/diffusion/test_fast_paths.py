@@ -448,11 +448,11 @@ def test_bf16_is_read_from_the_cpu_flags(monkeypatch):
 
     device.cpu_bf16_features.cache_clear()
     monkeypatch.setattr(device.platform, "system", lambda: "Linux")
-    monkeypatch.setattr(device, "_linux_cpu_flags", lambda: {"avx512f", "avx2"})
+    monkeypatch.setattr(device, "linux_cpu_flags", lambda: {"avx512f", "avx2"})
     assert cpu_bf16_features() == () and not bf16_native("cpu")
     assert resolve_dtype("auto", "cpu") == torch.float32
     device.cpu_bf16_features.cache_clear()
-    monkeypatch.setattr(device, "_linux_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(device, "linux_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert cpu_bf16_features() == ("avx512_bf16",) and resolve_dtype("auto", "cpu") == torch.bfloat16
     assert resolve_dtype("float32", "cpu") == torch.float32 and resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(DGemmaError, match="dtype must be one of"):

@@ -1,13 +1,13 @@
 """Products against the 262,144-word embedding (``primitives.py:fast_linear``) and the decoder's projections
-(``primitives.py:Linear``): oneDNN for fp32 inference on a CPU, ``linear`` everywhere else, and the same numbers
-either way up to fp32 rounding."""
+(``primitives.py:Linear``): the small-row kernel or oneDNN for fp32 inference on a CPU, ``linear`` everywhere
+else, and the same numbers either way up to fp32 rounding."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dgemma.models import primitives
+from dgemma.models import primitives, smallm
 from dgemma.models.primitives import Linear, fast_linear, head_product, onednn_fits
 from dgemma.models.selfcond import embed_probs
 from dgemma.models.transformer import DiffusionGemma, ModelConfig
@@ -36,7 +36,9 @@ def test_onednn_product_equals_linear(rows):
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 2, 11, 24, 25])
 def test_wide_weight_swapped_product_equals_linear(rows, monkeypatch):
-    """2-24 rows against a vocabulary-wide weight take ``(weight @ x.T).T``; 1 and 25 the plain order."""
+    """2-24 rows against a vocabulary-wide weight take ``(weight @ x.T).T``; 1 and 25 the plain order
+    (where the small-row kernel is not built: ``test_smallm.py``)."""
+    monkeypatch.setattr(smallm, "kernel", lambda: None)
     monkeypatch.setattr(primitives, "_WIDE", 1000)  # the 1,000-row test head counts as a vocabulary
     lin = head()
     h = torch.randn(rows, 64)
@@ -54,6 +56,7 @@ def test_wide_weight_swapped_product_equals_linear(rows, monkeypatch):
 @needs_onednn
 @pytest.mark.parametrize("shape", [(1, 1, 64), (1, 2, 64), (2, 16, 64), (1, 33, 64), (3, 64)])
 def test_decoder_linear_takes_onednn_for_2_to_32_rows(shape, monkeypatch):
+    monkeypatch.setattr(smallm, "kernel", lambda: None)  # where the small-row kernel is not built
     torch.manual_seed(0)
     lin = Linear(64, 96, bias=False)
     x = torch.randn(*shape)

@@ -1,0 +1,107 @@
+"""A small-row fp32 product for CPUs with AVX2: ``smallm.c``, compiled here on first use.
+
+Decoding multiplies a few rows (one for an AR step at batch 1, the 4-16 a denoising step reads)
+by every weight of the model, so it is bound by how fast the weights stream from memory. MKL and
+oneDNN reach a fraction of that on such products: on an AMD EPYC (AVX2, 2 threads) the 18
+layers' seven projections took 24.5 ms for one row and 36 ms for seven with them, against 13 and
+22-24 ms with this kernel, and the LM head's four rows 38 ms against 23 (``docs/benchmarks.md``,
+2026-12-07, evening). Its sums are batch-invariant (``smallm.c``): a row's result does not depend
+on the other rows of the call. They are ordered differently from MKL's, so results differ from
+``linear``'s in the last bits (about 1e-7 relative).
+
+The shared library is built once per source version with the C compiler (``$CC``, else ``cc``)
+into ``cache_root()/kernels`` (about a second) and loaded with ``ctypes``. Where that cannot
+happen (no AVX2 and FMA, no compiler, not Linux or macOS on x86-64) or ``DGEMMA_SMALLM=0`` is
+set, :func:`kernel` is None and callers keep PyTorch's products; a failed build says why once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dgemma.device import linux_cpu_flags
+
+SOURCE = Path(__file__).with_name("smallm.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+MAX_ROWS = 64  # at most this many rows of x go to the kernel (level with MKL at ~96: a prefill keeps MKL)
+
+
+def supported() -> bool:
+    """x86-64 with AVX2 and FMA, on Linux (where the flags can be read), and not switched off."""
+    if os.environ.get("DGEMMA_SMALLM", "1") == "0":
+        return False
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    return {"avx2", "fma"} <= linux_cpu_flags()
+
+
+def build(out_dir: Path) -> Path:
+    """Compile ``smallm.c`` into ``out_dir`` (named by a hash of the source and flags; an existing
+    build is reused) and return the library's path. Raises ``RuntimeError`` with the compiler's
+    message when it fails."""
+    text = SOURCE.read_bytes()
+    tag = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib = out_dir / f"smallm-{tag}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # built aside, then renamed: no half-written library
+        part = Path(tmp) / lib.name
+        cmd = [os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(part)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise RuntimeError(f"{' '.join(cmd)}: {e}") from e
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        os.replace(part, lib)
+    return lib
+
+
+@functools.cache
+def kernel():
+    """The compiled ``smallm_linear`` (a ctypes function), or None where it cannot run here."""
+    if not supported():
+        return None
+    from dgemma.models.pretrained import cache_root  # (pretrained imports the model, which imports this)
+
+    try:
+        fn = ctypes.CDLL(str(build(cache_root() / "kernels"))).smallm_linear
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"dgemma: the small-row CPU kernel is unavailable, decoding keeps PyTorch's products ({e})",
+                      stacklevel=2)
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def fits(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`smallm_linear` computes ``x [M, K] @ weight [N, K].T``: fp32 on a CPU, 1-64
+    packed rows, a packed weight of the same ``K``, ``K`` a multiple of 8, and a kernel on this
+    machine. Anything else (a mismatch included, which ``linear`` then reports) is not its work."""
+    return (x.dim() == weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
+            and x.shape[1] % 8 == 0 and x.dtype == weight.dtype == torch.float32
+            and x.device.type == weight.device.type == "cpu" and x.is_contiguous() and weight.is_contiguous()
+            and kernel() is not None)
+
+
+def smallm_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x [M, K] @ weight [N, K].T`` (fp32, CPU) through the kernel, on PyTorch's thread count.
+    Check :func:`fits` first."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    kernel()(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y

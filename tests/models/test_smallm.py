@@ -1,0 +1,117 @@
+"""The small-row fp32 CPU kernel (``dgemma/models/smallm.py``): its products against fp64 and ``linear``,
+its sums independent of the other rows and of the thread count, where the decoder sends it work, and
+what happens where it cannot be built."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dgemma.models import primitives, smallm
+from dgemma.models.primitives import Linear, fast_linear
+
+needs_kernel = pytest.mark.skipif(smallm.kernel() is None, reason="no AVX2/FMA or no C compiler here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33, 64])
+@pytest.mark.parametrize("n,k", [(8, 8), (13, 64), (1000, 640), (96, 2048)])
+def test_product_equals_fp64_and_linear(m, n, k):
+    torch.manual_seed(m * n + k)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    got = smallm.smallm_linear(x, w)
+    want = (x.double() @ w.double().T)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    near = F.linear(x, w)  # MKL's order of the same sums: within fp32 rounding of each other
+    torch.testing.assert_close(got, near, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@needs_kernel
+def test_each_row_is_the_same_sum_whatever_the_batch_and_threads():
+    """Batch-invariant to the bit: a row's outputs do not depend on the rows beside it (the blocking
+    of 3, 2, 1 or 8 rows) or on how many threads split the weight."""
+    torch.manual_seed(0)
+    x, w = torch.randn(11, 640), torch.randn(1003, 640)
+    whole = smallm.smallm_linear(x, w)
+    for i in range(11):
+        assert torch.equal(smallm.smallm_linear(x[i:i + 1].contiguous(), w)[0], whole[i])
+    assert torch.equal(smallm.smallm_linear(x[4:9].contiguous(), w), whole[4:9])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        assert torch.equal(smallm.smallm_linear(x, w), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fits_only_what_the_kernel_computes():
+    w = torch.randn(64, 64)
+    ok = smallm.kernel() is not None
+    assert smallm.fits(torch.randn(1, 64), w) == ok
+    assert smallm.fits(torch.randn(64, 64), w) == ok
+    assert not smallm.fits(torch.randn(65, 64), w)  # more rows: a prefill, MKL's
+    assert not smallm.fits(torch.randn(0, 64), w)
+    assert not smallm.fits(torch.randn(2, 60), torch.randn(64, 60))  # K not a multiple of 8
+    assert not smallm.fits(torch.randn(64, 2).t(), w)  # rows not packed
+    assert not smallm.fits(torch.randn(2, 64), torch.randn(64, 64).t())  # a transposed weight (the signal's E.T)
+    assert not smallm.fits(torch.randn(2, 64), torch.randn(64, 72))  # shapes that do not multiply
+    assert not smallm.fits(torch.randn(2, 64).double(), w.double())  # fp64: linear's
+    with torch.no_grad(), pytest.raises(RuntimeError):  # and linear says what is wrong
+        fast_linear(torch.randn(2, 64), torch.randn(64, 72))
+
+
+@needs_kernel
+def test_decoder_products_take_the_kernel_in_fp32_inference_only(monkeypatch):
+    calls = []
+    real = smallm.smallm_linear
+    monkeypatch.setattr(smallm, "smallm_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    torch.manual_seed(0)
+    lin = Linear(64, 96, bias=False)
+    with torch.no_grad():
+        for shape in [(1, 1, 64), (2, 16, 64), (1, 64, 64), (1, 65, 64)]:
+            x = torch.randn(*shape)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+        assert calls == [1, 32, 64]  # 65 rows: MKL
+        calls.clear()
+        lin.double()(torch.randn(3, 64).double())  # the exactness tests' fp64
+        Linear(64, 96).eval()(torch.randn(3, 64))  # a bias
+    lin.float()(torch.randn(3, 64, requires_grad=True)).sum().backward()  # training
+    assert calls == [] and lin.weight.grad is not None
+
+
+def test_without_the_kernel_the_decoder_keeps_onednn_and_mkl(monkeypatch):
+    monkeypatch.setattr(smallm, "kernel", lambda: None)
+    calls = []
+    real = primitives._onednn
+    monkeypatch.setattr(primitives, "_onednn", lambda a, b: calls.append(a.shape[0]) or real(a, b))
+    lin = Linear(64, 96, bias=False)
+    with torch.no_grad():
+        for rows in (1, 4, 40):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast_linear(torch.randn(1, 64), lin.weight).shape, torch.Size([1, 96]))
+    assert calls == ([4, 1] if primitives._ONEDNN_LINEAR else [])  # one row of a projection: MKL
+
+
+def test_a_failed_build_says_why_and_decoding_goes_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("DGEMMA_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    with pytest.raises(RuntimeError, match="false"):
+        smallm.build(tmp_path / "kernels")
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written left behind
+    monkeypatch.setattr(smallm, "supported", lambda: True)
+    smallm.kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="small-row CPU kernel is unavailable"):
+            assert smallm.kernel() is None
+        lin = Linear(64, 96, bias=False)
+        with torch.no_grad():
+            x = torch.randn(3, 64)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    finally:
+        smallm.kernel.cache_clear()
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("DGEMMA_SMALLM", "0")
+    assert not smallm.supported()
