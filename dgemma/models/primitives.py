@@ -113,9 +113,13 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 _WIDE = 1 << 16  # a weight with this many output rows or more is a vocabulary (the LM head)
 
 
+def _on_cpu_fp32(weight: Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
 def cpu_fp32_inference(x: Tensor, weight: Tensor) -> bool:
     """fp32 on a CPU, no gradient wanted, no graph being compiled: where ``fast_linear`` may leave ``linear``."""
-    return (weight.device.type == "cpu" and weight.dtype == x.dtype == torch.float32
+    return (_on_cpu_fp32(weight) and x.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and not torch.compiler.is_compiling())
 
@@ -172,7 +176,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if self.bias is None and (2 <= rows <= 32 or 1 <= rows <= smallm.MAX_ROWS and smallm.kernel() is not None):
+        kernel = 1 <= rows <= smallm.MAX_ROWS and _on_cpu_fp32(self.weight) and smallm.kernel() is not None
+        if self.bias is None and (kernel or 2 <= rows <= 32):
             return fast_linear(x.reshape(rows, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 

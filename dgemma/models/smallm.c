@@ -1,4 +1,4 @@
-/* y = x @ w.T for a few rows of x: the products of decoding on a CPU without bf16 units.
+/* y = x @ w.T for a few rows of x: the fp32 products of decoding on a CPU.
  *
  * x [M, K], w [N, K] (nn.Linear's layout), y [M, N], all fp32 and packed; K a multiple of 8.
  * Built by dgemma/models/smallm.py with -O3 -mavx2 -mfma -fopenmp (no -ffast-math).

@@ -11,8 +11,8 @@ on the other rows of the call. They are ordered differently from MKL's, so resul
 
 The shared library is built once per source version with the C compiler (``$CC``, else ``cc``)
 into ``cache_root()/kernels`` (about a second) and loaded with ``ctypes``. Where that cannot
-happen (no AVX2 and FMA, no compiler, not Linux or macOS on x86-64) or ``DGEMMA_SMALLM=0`` is
-set, :func:`kernel` is None and callers keep PyTorch's products; a failed build says why once.
+happen (not Linux on an x86-64 with AVX2 and FMA, no C compiler) or ``DGEMMA_SMALLM=0`` is set,
+:func:`kernel` is None and callers keep PyTorch's products; a failed build says why, once.
 """
 
 from __future__ import annotations

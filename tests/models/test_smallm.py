@@ -115,3 +115,14 @@ def test_a_failed_build_says_why_and_decoding_goes_on(monkeypatch, tmp_path):
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("DGEMMA_SMALLM", "0")
     assert not smallm.supported()
+
+
+def test_only_fp32_cpu_weights_ask_for_the_kernel(monkeypatch):
+    """A bf16 (or GPU) model never builds the CPU kernel: a machine without a compiler sees no warning."""
+    def refuse():
+        raise AssertionError("the kernel was asked for")
+    monkeypatch.setattr(smallm, "kernel", refuse)
+    lin = Linear(64, 96, bias=False).bfloat16()
+    with torch.no_grad():
+        x = torch.randn(1, 64).bfloat16()
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
