@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dgemma.device import cpu_bf16_features
-from dgemma.models.primitives import GeGLU, RMSNorm, fast_linear, onednn_fits
+from dgemma.models import smallm
+from dgemma.models.primitives import GeGLU, RMSNorm, cpu_fp32_inference, fast_linear, onednn_fits
 
 
 class SelfConditioning(nn.Module):
@@ -95,11 +96,14 @@ def embed_probs(probs: Tensor, weight: Tensor) -> Tensor:
     embedding took 28-39 ms where 16 rows took 21 (the memory-bound time to read it once); the
     rows are padded with zeros to 16 there (measured 2026-12-05, ``docs/benchmarks.md``). A zero
     row changes no other row's sum, so the result is the unpadded product's up to its rounding.
-    In fp32 on a CPU, fewer than 32 rows go through oneDNN instead of MKL (an AMD EPYC: 26 / 41 /
-    82 ms for 1 / 4 / 16 rows against 47 / 81 / 97; level at 32-64 rows, slower at 128).
+    In fp32 on a CPU, 2-64 rows go to the small-row kernel where it builds (``smallm.py:probs_embed``:
+    55 / 94 ms for 16 / 32 rows against 78 / 127), else fewer than 32 rows through oneDNN instead of MKL (an AMD EPYC: 26 / 41 / 82 ms for 1 / 4 /
+    16 rows against 47 / 81 / 97; level at 32-64 rows, slower at 128).
     """
     rows = probs.reshape(-1, probs.shape[-1]).to(weight.dtype)
     n = rows.shape[0]
+    if cpu_fp32_inference(rows, weight) and smallm.probs_fit(rows, weight):
+        return smallm.probs_embed(rows, weight).view(*probs.shape[:-1], weight.shape[1])
     if n < _PAD_ROWS * 2 and onednn_fits(rows, weight):  # fp32, CPU: primitives.py:fast_linear
         return fast_linear(rows, weight.t()).view(*probs.shape[:-1], weight.shape[1])
     if n < _PAD_ROWS and _pad_small_products(weight):

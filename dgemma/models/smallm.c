@@ -66,3 +66,74 @@ void smallm_linear(const float *x, const float *w, float *y, long M, long N, lon
     for (long n = blocks * nb; n < N; n++) /* the last N % nb rows of w */
         for (long m = 0; m < M; m++) k_1_1(x, w, y, K, N, n, m);
 }
+
+/* y = p @ e for a few rows of p: the self-conditioning signal, probabilities [M, V] times the
+ * embedding e [V, D] (D a multiple of 8). The vocabulary is cut into fixed chunks of CHUNK rows;
+ * each chunk's sums (one thread each, rows of e in order) go to part [chunks, M, D], and the chunks
+ * are then added in order. So every output is the same sum whatever the thread count or the other
+ * rows of p. Within a chunk, SUB rows of e at a time (160 KB for D = 640, kept in L2) are read
+ * against up to 3 rows of p x 32 columns held in registers. */
+#define CHUNK 4096
+#define SUB 64
+
+#define PKERNEL(MB, JB)                                                                         \
+static inline void p_##MB##_##JB(const float *p, const float *e, float *acc, long V, long D,   \
+                                 long m, long j, long lo, long hi) {                           \
+    __m256 a[MB][JB];                                                                          \
+    for (int i = 0; i < MB; i++)                                                               \
+        for (int q = 0; q < JB; q++) a[i][q] = _mm256_loadu_ps(acc + (m + i) * D + j + 8 * q); \
+    for (long v = lo; v < hi; v++) {                                                           \
+        __m256 ev[JB];                                                                         \
+        for (int q = 0; q < JB; q++) ev[q] = _mm256_loadu_ps(e + v * D + j + 8 * q);           \
+        for (int i = 0; i < MB; i++) {                                                         \
+            __m256 b = _mm256_set1_ps(p[(m + i) * V + v]);                                     \
+            for (int q = 0; q < JB; q++) a[i][q] = _mm256_fmadd_ps(b, ev[q], a[i][q]);         \
+        }                                                                                      \
+    }                                                                                          \
+    for (int i = 0; i < MB; i++)                                                               \
+        for (int q = 0; q < JB; q++) _mm256_storeu_ps(acc + (m + i) * D + j + 8 * q, a[i][q]); \
+}
+PKERNEL(3, 4)
+PKERNEL(2, 4)
+PKERNEL(1, 4)
+PKERNEL(3, 1)
+PKERNEL(2, 1)
+PKERNEL(1, 1)
+
+static void probs_chunk(const float *p, const float *e, float *acc, long M, long V, long D, long lo, long hi) {
+    for (long i = 0; i < M * D; i++) acc[i] = 0.0f;
+    for (long s = lo; s < hi; s += SUB) {
+        long t = s + SUB < hi ? s + SUB : hi;
+        long j = 0;
+        for (; j + 32 <= D; j += 32) {
+            long m = 0;
+            for (; m + 3 <= M; m += 3) p_3_4(p, e, acc, V, D, m, j, s, t);
+            if (M - m == 2) p_2_4(p, e, acc, V, D, m, j, s, t);
+            if (M - m == 1) p_1_4(p, e, acc, V, D, m, j, s, t);
+        }
+        for (; j < D; j += 8) {
+            long m = 0;
+            for (; m + 3 <= M; m += 3) p_3_1(p, e, acc, V, D, m, j, s, t);
+            if (M - m == 2) p_2_1(p, e, acc, V, D, m, j, s, t);
+            if (M - m == 1) p_1_1(p, e, acc, V, D, m, j, s, t);
+        }
+    }
+}
+
+long smallm_probs_chunks(long V) { return (V + CHUNK - 1) / CHUNK; }
+
+void smallm_probs_embed(const float *p, const float *e, float *y, float *part, long M, long V, long D, int threads) {
+    long chunks = smallm_probs_chunks(V);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long c = 0; c < chunks; c++)
+            probs_chunk(p, e, part + c * M * D, M, V, D, c * CHUNK, c * CHUNK + CHUNK < V ? c * CHUNK + CHUNK : V);
+#pragma omp for schedule(static)
+        for (long i = 0; i < M * D; i += 8) {
+            __m256 s = _mm256_loadu_ps(part + i);
+            for (long c = 1; c < chunks; c++) s = _mm256_add_ps(s, _mm256_loadu_ps(part + c * M * D + i));
+            _mm256_storeu_ps(y + i, s);
+        }
+    }
+}

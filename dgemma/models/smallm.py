@@ -1,13 +1,15 @@
-"""A small-row fp32 product for CPUs with AVX2: ``smallm.c``, compiled here on first use.
+"""Small-row fp32 products for CPUs with AVX2: ``smallm.c``, compiled here on first use.
 
 Decoding multiplies a few rows (one for an AR step at batch 1, the 4-16 a denoising step reads)
 by every weight of the model, so it is bound by how fast the weights stream from memory. MKL and
 oneDNN reach a fraction of that on such products: on an AMD EPYC (AVX2, 2 threads) the 18
 layers' seven projections took 24.5 ms for one row and 36 ms for seven with them, against 13 and
 22-24 ms with this kernel, and the LM head's four rows 38 ms against 23 (``docs/benchmarks.md``,
-2026-12-07, evening). Its sums are batch-invariant (``smallm.c``): a row's result does not depend
-on the other rows of the call. They are ordered differently from MKL's, so results differ from
-``linear``'s in the last bits (about 1e-7 relative).
+2026-12-07, evening). :func:`smallm_linear` is ``x @ W.T`` (the projections and the LM head);
+:func:`probs_embed` is ``probs @ E`` (the self-conditioning signal). Their sums are
+batch-invariant (``smallm.c``): a row's result does not depend on the other rows of the call or
+on the thread count. They are ordered differently from MKL's, so results differ from PyTorch's
+in the last bits (about 1e-7 relative).
 
 The shared library is built once per source version with the C compiler (``$CC``, else ``cc``)
 into ``cache_root()/kernels`` (about a second) and loaded with ``ctypes``. Where that cannot
@@ -71,20 +73,25 @@ def build(out_dir: Path) -> Path:
 
 @functools.cache
 def kernel():
-    """The compiled ``smallm_linear`` (a ctypes function), or None where it cannot run here."""
+    """The compiled library (``ctypes``: ``smallm_linear``, ``smallm_probs_embed``), or None where it
+    cannot run here."""
     if not supported():
         return None
     from dgemma.models.pretrained import cache_root  # (pretrained imports the model, which imports this)
 
     try:
-        fn = ctypes.CDLL(str(build(cache_root() / "kernels"))).smallm_linear
+        lib = ctypes.CDLL(str(build(cache_root() / "kernels")))
     except (RuntimeError, OSError) as e:
         warnings.warn(f"dgemma: the small-row CPU kernel is unavailable, decoding keeps PyTorch's products ({e})",
                       stacklevel=2)
         return None
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    fn.restype = None
-    return fn
+    ptr, n = ctypes.c_void_p, ctypes.c_long
+    lib.smallm_linear.argtypes = [ptr] * 3 + [n] * 3 + [ctypes.c_int]
+    lib.smallm_probs_embed.argtypes = [ptr] * 4 + [n] * 3 + [ctypes.c_int]
+    lib.smallm_probs_chunks.argtypes = [n]
+    lib.smallm_probs_chunks.restype = n
+    lib.smallm_linear.restype = lib.smallm_probs_embed.restype = None
+    return lib
 
 
 def fits(x: Tensor, weight: Tensor) -> bool:
@@ -103,5 +110,30 @@ def smallm_linear(x: Tensor, weight: Tensor) -> Tensor:
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
-    kernel()(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    kernel().smallm_linear(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
+
+
+def probs_fit(probs: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`probs_embed` computes ``probs [M, V] @ weight [V, D]``: fp32 on a CPU, 2-64
+    packed rows (oneDNN is a little faster for one), a packed weight of the same ``V``, ``D`` a
+    multiple of 8, and a kernel here."""
+    return (probs.dim() == weight.dim() == 2 and 2 <= probs.shape[0] <= MAX_ROWS
+            and probs.shape[1] == weight.shape[0] and weight.shape[1] % 8 == 0
+            and probs.dtype == weight.dtype == torch.float32 and probs.device.type == weight.device.type == "cpu"
+            and probs.is_contiguous() and weight.is_contiguous() and kernel() is not None)
+
+
+def probs_embed(probs: Tensor, weight: Tensor) -> Tensor:
+    """``probs [M, V] @ weight [V, D]`` (fp32, CPU): the self-conditioning signal's product, each
+    row of the embedding read once against every row of ``probs``. The vocabulary's fixed chunks
+    are summed apart and then in order, so the result does not depend on the thread count or on
+    the other rows. Check :func:`probs_fit` first."""
+    m, v = probs.shape
+    d = weight.shape[1]
+    lib = kernel()
+    part = torch.empty(lib.smallm_probs_chunks(v), m, d, dtype=probs.dtype)
+    y = torch.empty(m, d, dtype=probs.dtype)
+    lib.smallm_probs_embed(probs.data_ptr(), weight.data_ptr(), y.data_ptr(), part.data_ptr(), m, v, d,
+                           torch.get_num_threads())
     return y

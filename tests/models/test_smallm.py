@@ -126,3 +126,44 @@ def test_only_fp32_cpu_weights_ask_for_the_kernel(monkeypatch):
     with torch.no_grad():
         x = torch.randn(1, 64).bfloat16()
         assert torch.equal(lin(x), F.linear(x, lin.weight))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 6, 64])
+@pytest.mark.parametrize("v,d", [(5, 8), (4099, 64), (9000, 640)])
+def test_signal_product_equals_fp64_and_is_batch_and_thread_invariant(m, v, d):
+    """``probs @ E`` (the self-conditioning signal): vocabularies that end inside a chunk or a group of 4."""
+    torch.manual_seed(m + v + d)
+    p, e = torch.softmax(torch.randn(m, v) * 3, -1), torch.randn(v, d)
+    got = smallm.probs_embed(p, e)
+    want = p.double() @ e.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(smallm.probs_embed(p[-1:].contiguous(), e)[0], got[-1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        assert torch.equal(smallm.probs_embed(p, e), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_signal_product_fits_and_dispatch(monkeypatch):
+    from dgemma.models.selfcond import embed_probs
+
+    e = torch.randn(100, 64)
+    ok = smallm.kernel() is not None
+    assert smallm.probs_fit(torch.rand(2, 100), e) == ok
+    assert not smallm.probs_fit(torch.rand(65, 100), e)
+    assert not smallm.probs_fit(torch.rand(1, 100), e)  # one row: oneDNN's
+    assert not smallm.probs_fit(torch.rand(2, 99), e)  # the vocabularies differ
+    assert not smallm.probs_fit(torch.rand(2, 100), torch.randn(100, 60))  # D not a multiple of 8
+    assert not smallm.probs_fit(torch.rand(2, 100), torch.randn(64, 100).t())  # not packed
+    calls = []
+    real = smallm.probs_embed
+    monkeypatch.setattr(smallm, "probs_embed", lambda p, w: calls.append(p.shape[0]) or real(p, w))
+    probs = torch.softmax(torch.randn(2, 3, 100), -1)
+    with torch.no_grad():
+        torch.testing.assert_close(embed_probs(probs, e), probs @ e, rtol=1e-5, atol=1e-6)
+    z = torch.randn(2, 100, requires_grad=True)  # training: the signal's input wants a gradient
+    embed_probs(torch.softmax(z, -1), e).sum().backward()
+    assert calls == ([6] if ok else []) and z.grad is not None
