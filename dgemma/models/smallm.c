@@ -1,4 +1,5 @@
-/* y = x @ w.T for a few rows of x: the fp32 products of decoding on a CPU.
+/* The fp32 products of decoding on a CPU, for a few rows: y = x @ w.T (smallm_linear: the
+ * projections and the LM head) and, at the end, y = p @ e (smallm_probs_embed: the signal).
  *
  * x [M, K], w [N, K] (nn.Linear's layout), y [M, N], all fp32 and packed; K a multiple of 8.
  * Built by dgemma/models/smallm.py with -O3 -mavx2 -mfma -fopenmp (no -ffast-math).
