@@ -97,8 +97,9 @@ def embed_probs(probs: Tensor, weight: Tensor) -> Tensor:
     rows are padded with zeros to 16 there (measured 2026-12-05, ``docs/benchmarks.md``). A zero
     row changes no other row's sum, so the result is the unpadded product's up to its rounding.
     In fp32 on a CPU, 2-64 rows go to the small-row kernel where it builds (``smallm.py:probs_embed``:
-    55 / 94 ms for 16 / 32 rows against 78 / 127), else fewer than 32 rows through oneDNN instead of MKL (an AMD EPYC: 26 / 41 / 82 ms for 1 / 4 /
-    16 rows against 47 / 81 / 97; level at 32-64 rows, slower at 128).
+    55 / 94 ms for 16 / 32 rows against 78 / 127), else fewer than 32 rows through oneDNN instead
+    of MKL (an AMD EPYC: 26 / 41 / 82 ms for 1 / 4 / 16 rows against 47 / 81 / 97; level at 32-64
+    rows, slower at 128).
     """
     rows = probs.reshape(-1, probs.shape[-1]).to(weight.dtype)
     n = rows.shape[0]

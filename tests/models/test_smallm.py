@@ -12,6 +12,16 @@ from dgemma.models.primitives import Linear, fast_linear
 needs_kernel = pytest.mark.skipif(smallm.kernel() is None, reason="no AVX2/FMA or no C compiler here")
 
 
+def on_other_thread_count(fn):
+    """``fn()`` with 2 threads where the tests run 1 (else 1), the count restored after."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33, 64])
 @pytest.mark.parametrize("n,k", [(8, 8), (13, 64), (1000, 640), (96, 2048)])
@@ -36,12 +46,7 @@ def test_each_row_is_the_same_sum_whatever_the_batch_and_threads():
     for i in range(11):
         assert torch.equal(smallm.smallm_linear(x[i:i + 1].contiguous(), w)[0], whole[i])
     assert torch.equal(smallm.smallm_linear(x[4:9].contiguous(), w), whole[4:9])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2 if threads == 1 else 1)
-        assert torch.equal(smallm.smallm_linear(x, w), whole)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(on_other_thread_count(lambda: smallm.smallm_linear(x, w)), whole)
 
 
 def test_fits_only_what_the_kernel_computes():
@@ -139,12 +144,7 @@ def test_signal_product_equals_fp64_and_is_batch_and_thread_invariant(m, v, d):
     want = p.double() @ e.double()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     assert torch.equal(smallm.probs_embed(p[-1:].contiguous(), e)[0], got[-1])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2 if threads == 1 else 1)
-        assert torch.equal(smallm.probs_embed(p, e), got)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(on_other_thread_count(lambda: smallm.probs_embed(p, e)), got)
 
 
 def test_signal_product_fits_and_dispatch(monkeypatch):
