@@ -113,20 +113,15 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 _WIDE = 1 << 16  # a weight with this many output rows or more is a vocabulary (the LM head)
 
 
-def _on_cpu_fp32(weight: Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
-
-
-def cpu_fp32_inference(x: Tensor, weight: Tensor) -> bool:
-    """fp32 on a CPU, no gradient wanted, no graph being compiled: where ``fast_linear`` may leave ``linear``."""
-    return (_on_cpu_fp32(weight) and x.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+def cpu_inference(x: Tensor, weight: Tensor) -> bool:
+    """On a CPU, no gradient wanted, no graph being compiled: where a product may leave PyTorch's own."""
+    return (weight.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and not torch.compiler.is_compiling())
 
 
 def onednn_fits(x: Tensor, weight: Tensor) -> bool:
     """Whether ``fast_linear`` may take oneDNN's matmul: fp32 CPU inference and a torch built with it."""
-    return _ONEDNN_LINEAR and cpu_fp32_inference(x, weight)
+    return _ONEDNN_LINEAR and x.dtype == weight.dtype == torch.float32 and cpu_inference(x, weight)
 
 
 def _onednn(x: Tensor, weight: Tensor) -> Tensor:
@@ -134,10 +129,11 @@ def _onednn(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def fast_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x [N, k] @ weight [n, k].T``; for fp32 inference on a CPU, not through MKL.
+    """``x [N, k] @ weight [n, k].T``; for inference on a CPU, not through MKL.
 
-    1-64 rows against a packed weight go to the small-row kernel where this CPU builds it
-    (``smallm.py``): the fastest here at every such shape. Otherwise oneDNN's matmul: PyTorch sends
+    1-64 fp32 rows (1-32 bf16 rows) against a packed weight go to the small-row kernel where this
+    CPU builds it (``smallm.py``): the fastest here at every such shape. Otherwise, in fp32,
+    oneDNN's matmul: PyTorch sends
     an fp32 product on a CPU to MKL, whose products with few rows against the 270M's 262,144 x 640
     embedding (the one row of an AR step, the few a denoising step reads) used a fraction of the
     memory bandwidth on an AMD EPYC: 44 ms for one row of the LM head and 121 ms for four, against
@@ -149,12 +145,12 @@ def fast_linear(x: Tensor, weight: Tensor) -> Tensor:
     it in the last bits (about 1e-6 relative). Anything that needs gradients, another dtype or
     device, or a graph being compiled keeps ``linear``.
     """
-    if not cpu_fp32_inference(x, weight):
+    if not cpu_inference(x, weight):
         return F.linear(x, weight)
     x = x.contiguous()
     if smallm.fits(x, weight):
         return smallm.smallm_linear(x, weight)
-    if not _ONEDNN_LINEAR:
+    if not onednn_fits(x, weight):
         return F.linear(x, weight)
     if 2 <= x.shape[0] <= 24 and weight.shape[0] >= _WIDE and weight.is_contiguous():
         return _onednn(weight, x).t().contiguous()
@@ -162,9 +158,9 @@ def fast_linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """A bias-free ``nn.Linear`` of the decoder (attention and MLP projections) whose fp32 CPU
-    inference on few rows leaves MKL (``fast_linear``): 1-64 rows where the small-row kernel
-    builds, else 2-32 rows through oneDNN.
+    """A bias-free ``nn.Linear`` of the decoder (attention and MLP projections) whose CPU inference
+    on few rows leaves MKL (``fast_linear``): 1-64 fp32 rows (1-32 bf16) where the small-row kernel
+    builds, else 2-32 fp32 rows through oneDNN.
 
     MKL, which PyTorch calls for fp32 on a CPU, is the faster of it and oneDNN for one row (an AR
     step at batch 1: 71 against 205 us for 640 -> 1,024) and level from about 100 rows (a prefill),
@@ -176,8 +172,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        kernel = 1 <= rows <= smallm.MAX_ROWS and _on_cpu_fp32(self.weight) and smallm.kernel() is not None
-        if self.bias is None and (kernel or 2 <= rows <= 32):
+        if self.bias is None and (smallm.takes(rows, self.weight) or 2 <= rows <= 32):
             return fast_linear(x.reshape(rows, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 

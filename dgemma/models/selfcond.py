@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from dgemma.device import cpu_bf16_features
 from dgemma.models import smallm
-from dgemma.models.primitives import GeGLU, RMSNorm, cpu_fp32_inference, fast_linear, onednn_fits
+from dgemma.models.primitives import GeGLU, RMSNorm, cpu_inference, fast_linear, onednn_fits
 
 
 class SelfConditioning(nn.Module):
@@ -103,7 +103,7 @@ def embed_probs(probs: Tensor, weight: Tensor) -> Tensor:
     """
     rows = probs.reshape(-1, probs.shape[-1]).to(weight.dtype)
     n = rows.shape[0]
-    if cpu_fp32_inference(rows, weight) and smallm.probs_fit(rows, weight):
+    if cpu_inference(rows, weight) and smallm.probs_fit(rows, weight) and not _pad_small_products(weight):
         return smallm.probs_embed(rows, weight).view(*probs.shape[:-1], weight.shape[1])
     if n < _PAD_ROWS * 2 and onednn_fits(rows, weight):  # fp32, CPU: primitives.py:fast_linear
         return fast_linear(rows, weight.t()).view(*probs.shape[:-1], weight.shape[1])

@@ -1,15 +1,18 @@
-"""Small-row fp32 products for CPUs with AVX2: ``smallm.c``, compiled here on first use.
+"""Small-row products for decoding on a CPU: ``smallm.c``, compiled here on first use.
 
 Decoding multiplies a few rows (one for an AR step at batch 1, the 4-16 a denoising step reads)
 by every weight of the model, so it is bound by how fast the weights stream from memory. MKL and
 oneDNN reach a fraction of that on such products: on an AMD EPYC (AVX2, 2 threads) the 18
 layers' seven projections took 24.5 ms for one row and 36 ms for seven with them, against 13 and
 22-24 ms with this kernel, and the LM head's four rows 38 ms against 23 (``docs/benchmarks.md``,
-2026-12-07, evening). :func:`smallm_linear` is ``x @ W.T`` (the projections and the LM head);
-:func:`probs_embed` is ``probs @ E`` (the self-conditioning signal). Their sums are
+2026-12-07, evening). :func:`smallm_linear` is ``x @ W.T`` (the projections and the LM head) in
+fp32 on CPUs with AVX2 and FMA, and in bf16 on CPUs with AVX512-BF16 (an AMD EPYC of that kind:
+the 18 layers' projections for 1 / 16 / 32 rows in 20 / 20 / 30 ms against PyTorch's 27 / 39 / 39,
+the LM head in 18 / 22 / 41 against 28 / 32 / 47; level at 64 rows, so bf16 stops at 32).
+:func:`probs_embed` is ``probs @ E`` (the self-conditioning signal, fp32). Their sums are
 batch-invariant (``smallm.c``): a row's result does not depend on the other rows of the call or
 on the thread count. They are ordered differently from MKL's, so results differ from PyTorch's
-in the last bits (about 1e-7 relative).
+in the last bits (about 1e-7 relative in fp32; in bf16, at most one rounding step of the output).
 
 The shared library is built once per source version with the C compiler (``$CC``, else ``cc``)
 into ``cache_root()/kernels`` (about a second) and loaded with ``ctypes``. Where that cannot
@@ -36,7 +39,10 @@ from dgemma.device import linux_cpu_flags
 
 SOURCE = Path(__file__).with_name("smallm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-MAX_ROWS = 64  # at most this many rows of x go to the kernel (level with MKL at ~96: a prefill keeps MKL)
+MAX_ROWS = 64  # at most this many fp32 rows of x go to the kernel (level with MKL at ~96: a prefill keeps MKL)
+MAX_ROWS_BF16 = 32  # bf16: level with oneDNN at ~64
+SIGNAL_ROWS_BF16 = 24  # bf16 probs @ E: level with oneDNN at ~28
+BF16_FLAGS = {"avx512f", "avx512bw", "avx512_bf16"}
 
 
 def supported() -> bool:
@@ -91,49 +97,74 @@ def kernel():
     lib.smallm_probs_chunks.argtypes = [n]
     lib.smallm_probs_chunks.restype = n
     lib.smallm_linear.restype = lib.smallm_probs_embed.restype = None
+    if hasattr(lib, "smallm_linear_bf16"):  # (a compiler older than AVX512-BF16 leaves them out)
+        lib.smallm_linear_bf16.argtypes = lib.smallm_linear.argtypes
+        lib.smallm_probs_embed_bf16.argtypes = lib.smallm_probs_embed.argtypes
+        lib.smallm_linear_bf16.restype = lib.smallm_probs_embed_bf16.restype = None
     return lib
 
 
+@functools.cache
+def bf16_kernel() -> bool:
+    """Whether :func:`smallm_linear` takes bf16 here: the library has it and the CPU has AVX512-BF16."""
+    return BF16_FLAGS <= linux_cpu_flags() and kernel() is not None and hasattr(kernel(), "smallm_linear_bf16")
+
+
+def takes(rows: int, weight: Tensor) -> bool:
+    """Whether ``rows`` rows against ``weight`` are the kernel's size here (fp32: 1-64, bf16: 1-32)."""
+    if weight.device.type != "cpu":
+        return False
+    if weight.dtype == torch.float32:
+        return 1 <= rows <= MAX_ROWS and kernel() is not None
+    return weight.dtype == torch.bfloat16 and 1 <= rows <= MAX_ROWS_BF16 and bf16_kernel()
+
+
 def fits(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`smallm_linear` computes ``x [M, K] @ weight [N, K].T``: fp32 on a CPU, 1-64
-    packed rows, a packed weight of the same ``K``, ``K`` a multiple of 8, and a kernel on this
-    machine. Anything else (a mismatch included, which ``linear`` then reports) is not its work."""
-    return (x.dim() == weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
-            and x.shape[1] % 8 == 0 and x.dtype == weight.dtype == torch.float32
-            and x.device.type == weight.device.type == "cpu" and x.is_contiguous() and weight.is_contiguous()
-            and kernel() is not None)
+    """Whether :func:`smallm_linear` computes ``x [M, K] @ weight [N, K].T``: on a CPU, both fp32 (1-64
+    rows, ``K`` a multiple of 8) or both bf16 (1-32 rows, ``K`` a multiple of 32), packed, the same
+    ``K``, and a kernel for that dtype on this machine. Anything else (a mismatch included, which
+    ``linear`` then reports) is not its work."""
+    return (x.dim() == weight.dim() == 2 and x.shape[1] == weight.shape[1] and x.dtype == weight.dtype
+            and x.shape[1] % (8 if x.dtype == torch.float32 else 32) == 0 and x.device.type == "cpu"
+            and x.is_contiguous() and weight.is_contiguous() and takes(x.shape[0], weight))
 
 
 def smallm_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x [M, K] @ weight [N, K].T`` (fp32, CPU) through the kernel, on PyTorch's thread count.
-    Check :func:`fits` first."""
+    """``x [M, K] @ weight [N, K].T`` (fp32 or bf16, CPU; bf16 accumulates in fp32 and rounds once)
+    through the kernel, on PyTorch's thread count. Check :func:`fits` first."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
-    kernel().smallm_linear(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    lib = kernel()
+    run = lib.smallm_linear if x.dtype == torch.float32 else lib.smallm_linear_bf16
+    run(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
 
 
 def probs_fit(probs: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`probs_embed` computes ``probs [M, V] @ weight [V, D]``: fp32 on a CPU, 2-64
-    packed rows (oneDNN is a little faster for one), a packed weight of the same ``V``, ``D`` a
-    multiple of 8, and a kernel here."""
-    return (probs.dim() == weight.dim() == 2 and 2 <= probs.shape[0] <= MAX_ROWS
-            and probs.shape[1] == weight.shape[0] and weight.shape[1] % 8 == 0
-            and probs.dtype == weight.dtype == torch.float32 and probs.device.type == weight.device.type == "cpu"
-            and probs.is_contiguous() and weight.is_contiguous() and kernel() is not None)
+    """Whether :func:`probs_embed` computes ``probs [M, V] @ weight [V, D]``: on a CPU, both fp32
+    (2-64 packed rows: oneDNN is a little faster for one; ``D`` a multiple of 8) or both bf16 (1-24
+    rows, ``D`` a multiple of 32, AVX512-BF16), a packed weight of the same ``V``, and a kernel here."""
+    if not (probs.dim() == weight.dim() == 2 and probs.shape[1] == weight.shape[0] and probs.dtype == weight.dtype
+            and probs.device.type == weight.device.type == "cpu" and probs.is_contiguous()
+            and weight.is_contiguous()):
+        return False
+    if probs.dtype == torch.float32:
+        return 2 <= probs.shape[0] <= MAX_ROWS and weight.shape[1] % 8 == 0 and kernel() is not None
+    return (probs.dtype == torch.bfloat16 and 1 <= probs.shape[0] <= SIGNAL_ROWS_BF16 and weight.shape[1] % 32 == 0
+            and bf16_kernel())
 
 
 def probs_embed(probs: Tensor, weight: Tensor) -> Tensor:
-    """``probs [M, V] @ weight [V, D]`` (fp32, CPU): the self-conditioning signal's product, each
-    row of the embedding read once against every row of ``probs``. The vocabulary's fixed chunks
-    are summed apart and then in order, so the result does not depend on the thread count or on
-    the other rows. Check :func:`probs_fit` first."""
+    """``probs [M, V] @ weight [V, D]`` (fp32 or bf16, CPU; fp32 sums, rounded once for bf16): the
+    self-conditioning signal's product, each row of the embedding read once against every row of
+    ``probs``. The vocabulary's fixed chunks are summed apart and then in order, so the result does
+    not depend on the thread count or on the other rows. Check :func:`probs_fit` first."""
     m, v = probs.shape
     d = weight.shape[1]
     lib = kernel()
-    part = torch.empty(lib.smallm_probs_chunks(v), m, d, dtype=probs.dtype)
+    part = torch.empty(lib.smallm_probs_chunks(v), m, d, dtype=torch.float32)
     y = torch.empty(m, d, dtype=probs.dtype)
-    lib.smallm_probs_embed(probs.data_ptr(), weight.data_ptr(), y.data_ptr(), part.data_ptr(), m, v, d,
-                           torch.get_num_threads())
+    run = lib.smallm_probs_embed if probs.dtype == torch.float32 else lib.smallm_probs_embed_bf16
+    run(probs.data_ptr(), weight.data_ptr(), y.data_ptr(), part.data_ptr(), m, v, d, torch.get_num_threads())
     return y

@@ -1,6 +1,6 @@
-"""The small-row fp32 CPU kernel (``dgemma/models/smallm.py``): its products against fp64 and ``linear``,
-its sums independent of the other rows and of the thread count, where the decoder sends it work, and
-what happens where it cannot be built."""
+"""The small-row CPU kernels (``dgemma/models/smallm.py``, fp32 and bf16): their products against fp64
+and ``linear``, their sums independent of the other rows and of the thread count, where the decoder
+sends them work, and what happens where they cannot be built."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from dgemma.models import primitives, smallm
 from dgemma.models.primitives import Linear, fast_linear
 
 needs_kernel = pytest.mark.skipif(smallm.kernel() is None, reason="no AVX2/FMA or no C compiler here")
+needs_bf16 = pytest.mark.skipif(not smallm.bf16_kernel(), reason="no AVX512-BF16 (or no kernel) here")
 
 
 def on_other_thread_count(fn):
@@ -122,15 +123,67 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert not smallm.supported()
 
 
-def test_only_fp32_cpu_weights_ask_for_the_kernel(monkeypatch):
-    """A bf16 (or GPU) model never builds the CPU kernel: a machine without a compiler sees no warning."""
+def test_bf16_asks_for_the_kernel_only_on_a_cpu_with_avx512_bf16(monkeypatch):
+    """A bf16 model on a CPU without AVX512-BF16 (or on a GPU) never builds the kernel: a machine
+    without a compiler sees no warning."""
     def refuse():
         raise AssertionError("the kernel was asked for")
     monkeypatch.setattr(smallm, "kernel", refuse)
+    monkeypatch.setattr(smallm, "linux_cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    smallm.bf16_kernel.cache_clear()
+    try:
+        lin = Linear(64, 96, bias=False).bfloat16()
+        with torch.no_grad():
+            x = torch.randn(1, 64).bfloat16()
+            assert torch.equal(lin(x), F.linear(x, lin.weight))
+    finally:
+        smallm.bf16_kernel.cache_clear()
+    assert not smallm.takes(1, torch.empty(8, 8, device="meta"))  # not a CPU weight: never asks
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 32])
+@pytest.mark.parametrize("n,k", [(8, 32), (13, 64), (1000, 640), (96, 2048)])
+def test_bf16_product_is_fp64_rounded_once(m, n, k):
+    """fp32 sums of exact bf16 products, rounded once to bf16: within half a bf16 step of the fp64
+    product (plus fp32's error), and at most a step from oneDNN's bf16 ``linear``."""
+    torch.manual_seed(m * n + k)
+    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    got = smallm.smallm_linear(x, w)
+    want = x.double() @ w.double().T
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8 + 1e-5, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=2 ** -7, atol=1e-5 * k ** 0.5)
+
+
+@needs_bf16
+def test_bf16_rows_are_the_same_sums_whatever_the_batch_and_threads():
+    torch.manual_seed(1)
+    x, w = torch.randn(13, 640).bfloat16(), torch.randn(1003, 640).bfloat16()
+    whole = smallm.smallm_linear(x, w)
+    for i in range(13):
+        assert torch.equal(smallm.smallm_linear(x[i:i + 1].contiguous(), w)[0], whole[i])
+    assert torch.equal(smallm.smallm_linear(x[3:10].contiguous(), w), whole[3:10])
+    assert torch.equal(on_other_thread_count(lambda: smallm.smallm_linear(x, w)), whole)
+
+
+@needs_bf16
+def test_bf16_fits_and_dispatch(monkeypatch):
+    w = torch.randn(64, 64).bfloat16()
+    assert smallm.fits(torch.randn(32, 64).bfloat16(), w)
+    assert not smallm.fits(torch.randn(33, 64).bfloat16(), w)  # oneDNN's from here
+    assert not smallm.fits(torch.randn(2, 48).bfloat16(), torch.randn(64, 48).bfloat16())  # K not a multiple of 32
+    assert not smallm.fits(torch.randn(2, 64), w)  # fp32 rows against a bf16 weight
+    calls = []
+    real = smallm.smallm_linear
+    monkeypatch.setattr(smallm, "smallm_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     lin = Linear(64, 96, bias=False).bfloat16()
     with torch.no_grad():
-        x = torch.randn(1, 64).bfloat16()
-        assert torch.equal(lin(x), F.linear(x, lin.weight))
+        for rows in (1, 32, 33):
+            x = torch.randn(1, rows, 64).bfloat16()
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=2 ** -7, atol=1e-3)
+    lin(torch.randn(3, 64).bfloat16().requires_grad_()).float().sum().backward()  # training: linear
+    assert calls == [1, 32] and lin.weight.grad is not None
 
 
 @needs_kernel
@@ -167,3 +220,38 @@ def test_signal_product_fits_and_dispatch(monkeypatch):
     z = torch.randn(2, 100, requires_grad=True)  # training: the signal's input wants a gradient
     embed_probs(torch.softmax(z, -1), e).sum().backward()
     assert calls == ([6] if ok else []) and z.grad is not None
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 2, 5, 24])
+@pytest.mark.parametrize("v,d", [(5, 32), (4099, 64), (9001, 640)])
+def test_bf16_signal_product_is_fp64_rounded_once(m, v, d):
+    """The bf16 signal: pairs of vocabulary rows per lane, the columns put back in order, an odd
+    vocabulary's last row, chunks that end inside a block."""
+    torch.manual_seed(m + v + d)
+    p, e = torch.softmax(torch.randn(m, v) * 3, -1).bfloat16(), torch.randn(v, d).bfloat16()
+    got = smallm.probs_embed(p, e)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), p.double() @ e.double(), rtol=2 ** -8 + 1e-5, atol=1e-6)
+    assert torch.equal(smallm.probs_embed(p[-1:].contiguous(), e)[0], got[-1])
+    assert torch.equal(on_other_thread_count(lambda: smallm.probs_embed(p, e)), got)
+    assert not smallm.probs_fit(torch.rand(25, v).bfloat16(), e)  # oneDNN's from here
+    assert not smallm.probs_fit(p, torch.randn(v, d + 8).bfloat16())  # D not a multiple of 32
+
+
+@needs_bf16
+def test_bf16_signal_takes_the_kernel_except_with_amx(monkeypatch):
+    """Where AMX reads the embedding at memory speed (the padded oneDNN product) it keeps that."""
+    from dgemma.models import selfcond
+
+    calls = []
+    real = smallm.probs_embed
+    monkeypatch.setattr(smallm, "probs_embed", lambda p, w: calls.append(p.shape[0]) or real(p, w))
+    e = torch.randn(100, 64).bfloat16()
+    probs = torch.softmax(torch.randn(4, 100), -1)
+    with torch.no_grad():
+        got = selfcond.embed_probs(probs, e)
+        torch.testing.assert_close(got, probs.bfloat16() @ e, rtol=2 ** -7, atol=1e-3)
+        monkeypatch.setattr(selfcond, "cpu_bf16_features", lambda: ("amx_bf16",))
+        selfcond.embed_probs(probs, e)
+    assert calls == [4]
