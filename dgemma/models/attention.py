@@ -84,9 +84,25 @@ def eager_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | N
 def sdpa_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | None = None) -> Tensor:
     if softcap is not None:
         return eager_attention(q, k, v, mask, scale=scale, softcap=softcap)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask.dense()[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    (b, hq, lq, d), hkv = q.shape, k.shape[1]
+    if fold_query_heads(q, hkv):  # the G query heads of a KV head become G query rows of it
+        groups = hq // hkv
+        out = F.scaled_dot_product_attention(q.reshape(b, hkv, groups * lq, d), k, v, scale=scale,
+                                             attn_mask=mask.dense()[:, None].expand(b, 1, groups, -1))
+        return out.view(b, hq, lq, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense()[:, None], scale=scale, enable_gqa=hq != hkv)
+
+
+def fold_query_heads(q: Tensor, kv_heads: int) -> bool:
+    """Whether one query row a head (an AR step) attends as ``G`` rows of its KV head instead of through
+    ``enable_gqa``: on a CPU, in bf16 / fp16 or for a batch. PyTorch's CPU flash kernel spends about a
+    millisecond a call on one bf16 query row per head (a 1,100-key cache, 4 query heads on 1 KV head:
+    1.0 ms at batch 1, 15.7 at batch 16) where four rows of one head take 0.37 / 1.8 ms; in fp32 the
+    fold wins for a batch (0.26 against 0.38 ms at 2, 2.7 against 5.9 at 16) and loses for one row
+    (0.68 against 0.20 ms). An AMD EPYC, 2 threads, 2026-12-07 (``docs/benchmarks.md``). The sums
+    are the same dot products; the kernel's blocking may round them differently."""
+    return (q.device.type == "cpu" and q.shape[2] == 1 and q.shape[1] > kv_heads
+            and (q.dtype in (torch.bfloat16, torch.float16) or q.shape[0] > 1))
 
 
 _COMPILED_FLEX: dict[str, object] = {}
