@@ -133,10 +133,10 @@ def fast_linear(x: Tensor, weight: Tensor) -> Tensor:
 
     1-64 fp32 rows (1-32 bf16 rows) against a packed weight go to the small-row kernel where this
     CPU builds it (``smallm.py``): the fastest here at every such shape. Otherwise, in fp32,
-    oneDNN's matmul: PyTorch sends
-    an fp32 product on a CPU to MKL, whose products with few rows against the 270M's 262,144 x 640
-    embedding (the one row of an AR step, the few a denoising step reads) used a fraction of the
-    memory bandwidth on an AMD EPYC: 44 ms for one row of the LM head and 121 ms for four, against
+    oneDNN's matmul: PyTorch sends an fp32 product on a CPU to MKL, whose products with few rows
+    against the 270M's 262,144 x 640 embedding (the one row of an AR step, the few a denoising
+    step reads) used a fraction of the memory bandwidth on an AMD EPYC: 44 ms for one row of the
+    LM head and 121 ms for four, against
     22 and 54 ms for oneDNN's ``_linear_pointwise`` on the same weight, uncopied
     (``docs/benchmarks.md``, 2026-12-06, late). For 2-24 rows against such a wide weight oneDNN is
     faster still with the operands swapped, ``(weight @ x.T).T``: 35 / 53 / 51 ms for 4 / 11 / 16
