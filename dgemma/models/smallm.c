@@ -56,18 +56,22 @@ static void block4(const float *x, const float *w, float *y, long M, long K, lon
     if (M - m == 1) k_4_1(x, w, y, K, N, n, m);
 }
 
-void smallm_linear(const float *x, const float *w, float *y, long M, long N, long K, int threads) {
-    long nb = M == 1 ? 8 : 4, blocks = N / nb;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long b = 0; b < blocks; b++) {
-        if (M == 1)
-            k_8_1(x, w, y, K, N, b * 8, 0);
-        else
-            block4(x, w, y, M, K, N, b * 4);
-    }
-    for (long n = blocks * nb; n < N; n++) /* the last N % nb rows of w */
-        for (long m = 0; m < M; m++) k_1_1(x, w, y, K, N, n, m);
+/* The schedule both dtypes share (bf16 below): blocks of 8 rows of w for one row of x, else blocks
+ * of 4 against every row of x, split statically over the threads; then the last N % nb rows of w. */
+#define LINEAR(NAME, T, ONE_ROW, BLOCK4, TAIL)                                                  \
+void NAME(const T *x, const T *w, T *y, long M, long N, long K, int threads) {                \
+    long nb = M == 1 ? 8 : 4, blocks = N / nb;                                                 \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
+    for (long b = 0; b < blocks; b++) {                                                        \
+        if (M == 1)                                                                            \
+            ONE_ROW(x, w, y, K, N, b * 8, 0);                                                  \
+        else                                                                                   \
+            BLOCK4(x, w, y, M, K, N, b * 4);                                                   \
+    }                                                                                          \
+    for (long n = blocks * nb; n < N; n++)                                                     \
+        for (long m = 0; m < M; m++) TAIL(x, w, y, K, N, n, m);                                \
 }
+LINEAR(smallm_linear, float, k_8_1, block4, k_1_1)
 
 /* y = p @ e for a few rows of p: the self-conditioning signal, probabilities [M, V] times the
  * embedding e [V, D] (D a multiple of 8). The vocabulary is cut into fixed chunks of CHUNK rows;
@@ -189,19 +193,7 @@ static void bblock4(const unsigned short *x, const unsigned short *w, unsigned s
     if (M - m == 1) b_4_1(x, w, y, K, N, n, m);
 }
 
-void smallm_linear_bf16(const unsigned short *x, const unsigned short *w, unsigned short *y, long M, long N,
-                        long K, int threads) {
-    long nb = M == 1 ? 8 : 4, blocks = N / nb;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long b = 0; b < blocks; b++) {
-        if (M == 1)
-            b_8_1(x, w, y, K, N, b * 8, 0);
-        else
-            bblock4(x, w, y, M, K, N, b * 4);
-    }
-    for (long n = blocks * nb; n < N; n++)
-        for (long m = 0; m < M; m++) b_1_1(x, w, y, K, N, n, m);
-}
+LINEAR(smallm_linear_bf16, unsigned short, b_8_1, bblock4, b_1_1)
 
 /* y = p @ e in bf16 (the signal; D a multiple of 32): the scheme of smallm_probs_embed (fixed
  * chunks, summed apart, then in order), but a vdpbf16ps wants the two products it adds in one
