@@ -327,7 +327,7 @@ def machine_info(device: str = "cpu") -> dict:
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "heap": heap_policy(),  # glibc's policy for big tensors (dgemma/device.py:keep_freed_heap)
-        # fp32 CPU decoding's few-row products (dgemma/models/smallm.py); None off the CPU
+        # whether the few-row CPU kernels loaded (dgemma/models/smallm.py; bf16 ones also need AVX512-BF16)
         "smallm_kernel": smallm.kernel() is not None if device == "cpu" else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
