@@ -36,11 +36,24 @@ class MaskSpec:
     anchor: str = "query"  # where sliding windows end for noisy queries (masks.window_anchor)
     _dense: Tensor | None = field(default=None, repr=False)
     _block: object = field(default=None, repr=False)
+    _causal: bool | None = field(default=None, repr=False)
 
     def dense(self) -> Tensor:
         if self._dense is None:
             self._dense = dense_mask(self.q, self.k, encoder=self.encoder, window=self.window, anchor=self.anchor)
         return self._dense
+
+    def causal(self) -> bool:
+        """Whether the dense mask is exactly the lower triangle of a square (every row: a prompt prefilled
+        from an empty cache, no padding, no window cut). ``sdpa`` then passes ``is_causal`` instead of the
+        mask, and PyTorch skips the blocks above the diagonal: the same scores, a third less time for a
+        400-token bf16 prefill on a CPU (``sdpa_attention``). One ``[B, L, L]`` comparison, once a pass."""
+        if self._causal is None:
+            m = self.dense()
+            self._causal = (m.shape[-1] == m.shape[-2] > 1
+                            and torch.equal(m, torch.ones(m.shape[-2:], dtype=torch.bool, device=m.device)
+                                            .tril().expand_as(m)))
+        return self._causal
 
     def block_mask(self):
         if self._block is None:
@@ -90,6 +103,8 @@ def sdpa_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | No
         out = F.scaled_dot_product_attention(q.reshape(b, hkv, groups * lq, d), k, v, scale=scale,
                                              attn_mask=mask.dense()[:, None].expand(b, 1, groups, -1))
         return out.view(b, hq, lq, d)
+    if lq == k.shape[2] and mask.causal():  # a prefill: PyTorch skips the masked blocks itself
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense()[:, None], scale=scale, enable_gqa=hq != hkv)
 
 
