@@ -98,10 +98,11 @@ def sdpa_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | No
     if softcap is not None:
         return eager_attention(q, k, v, mask, scale=scale, softcap=softcap)
     (b, hq, lq, d), hkv = q.shape, k.shape[1]
-    if fold_query_heads(q, hkv):  # the G query heads of a KV head become G query rows of it
-        groups = hq // hkv
+    if fold_query_heads(q, hkv):  # the G query heads of a KV head become G x Lq query rows of it
+        groups, m = hq // hkv, mask.dense()  # [B, Lq, S], the same for every head
         out = F.scaled_dot_product_attention(q.reshape(b, hkv, groups * lq, d), k, v, scale=scale,
-                                             attn_mask=mask.dense()[:, None].expand(b, 1, groups, -1))
+                                             attn_mask=m[:, None, None].expand(b, 1, groups, lq, -1)
+                                             .reshape(b, 1, groups * lq, -1))
         return out.view(b, hq, lq, d)
     if lq == k.shape[2] and mask.causal():  # a prefill: PyTorch skips the masked blocks itself
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv)
@@ -109,15 +110,21 @@ def sdpa_attention(q, k, v, mask: MaskSpec, *, scale: float, softcap: float | No
 
 
 def fold_query_heads(q: Tensor, kv_heads: int) -> bool:
-    """Whether one query row a head (an AR step) attends as ``G`` rows of its KV head instead of through
-    ``enable_gqa``: on a CPU, in bf16 / fp16 or for a batch. PyTorch's CPU flash kernel spends about a
-    millisecond a call on one bf16 query row per head (a 1,100-key cache, 4 query heads on 1 KV head:
-    1.0 ms at batch 1, 15.7 at batch 16) where four rows of one head take 0.37 / 1.8 ms; in fp32 the
-    fold wins for a batch (0.26 against 0.38 ms at 2, 2.7 against 5.9 at 16) and loses for one row
-    (0.68 against 0.20 ms). An AMD EPYC, 2 threads, 2026-12-07 (``docs/benchmarks.md``). The sums
-    are the same dot products; the kernel's blocking may round them differently."""
-    return (q.device.type == "cpu" and q.shape[2] == 1 and q.shape[1] > kv_heads
-            and (q.dtype in (torch.bfloat16, torch.float16) or q.shape[0] > 1))
+    """Whether the ``G`` query heads of a KV head attend as ``G x Lq`` rows of it instead of through
+    ``enable_gqa`` (the same dot products, the mask repeated): on a CPU, for one query row a head (an
+    AR step) in bf16 / fp16 or for a batch, and for up to 16 rows a head (a denoising pass) in bf16 /
+    fp16 for a batch. PyTorch's CPU flash kernel spends about a millisecond a call on one bf16 query
+    row per head (a 1,100-key cache, 4 query heads on 1 KV head: 1.0 ms at batch 1, 15.7 at batch 16)
+    where four rows of one head take 0.37 / 1.8 ms; in fp32 the fold wins for a batch (0.26 against
+    0.38 ms at 2, 2.7 against 5.9 at 16) and loses for one row (0.68 against 0.20 ms). For 4-16 bf16
+    rows a head at batch 4 or 16 it takes 0.50-0.89x the time at 450-1,100 keys; at batch 1, and in
+    fp32, it is mixed (0.8-1.4x), so those keep ``enable_gqa``. An AMD EPYC, 2 threads, 2026-12-07
+    (``docs/benchmarks.md``). The kernel's blocking may round the sums differently."""
+    b, hq, lq, _ = q.shape
+    if q.device.type != "cpu" or hq <= kv_heads:
+        return False
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    return (half or b > 1) if lq == 1 else (half and b > 1 and lq <= 16)
 
 
 _COMPILED_FLEX: dict[str, object] = {}
