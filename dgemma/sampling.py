@@ -58,6 +58,7 @@ class SamplerConfig:
     self_condition: bool | None = None  # feed the last prediction back (default True; False: a zero signal)
     fuse_append: bool | None = None  # append a canvas in the next one's first pass (default True; same numbers)
     reuse_canvas_keys: bool | None = None  # approximate: partial passes over a canvas (default False)
+    shortlist: int | None = None  # approximate: later passes score each position's top-K of the first (default 0: off)
     prefix: tuple[int, ...] | None = None  # response tokens pinned at the start of every answer (() = none)
 
     def merged(self, defaults: "SamplerConfig") -> "SamplerConfig":
@@ -96,12 +97,12 @@ def eval_settings(cfg, *, num_steps: int, step_type: str, temperature: float,
                          entropy_bound=e.entropy_bound, stability_threshold=e.stability_threshold,
                          stop_confidence_threshold=e.stop_confidence_threshold, stop_alias_cos=e.stop_alias_cos,
                          logit_bias=resolve_logit_bias(e.logit_bias, tokenizer), self_condition=e.self_condition,
-                         fuse_append=e.fuse_append, reuse_canvas_keys=e.reuse_canvas_keys,
+                         fuse_append=e.fuse_append, reuse_canvas_keys=e.reuse_canvas_keys, shortlist=e.shortlist,
                          prefix=resolve_prefix(e.response_prefix, tokenizer))
 
 
 INTERACTIVE = {"interactive_self_condition": "self_condition", "interactive_reuse_canvas_keys": "reuse_canvas_keys",
-               "interactive_no_repeat": "commit_no_repeat",
+               "interactive_no_repeat": "commit_no_repeat", "interactive_shortlist": "shortlist",
                "interactive_early_stopping": "early_stopping"}  # eval_ds.interactive_* -> the field it replaces
 
 
@@ -167,7 +168,7 @@ RULE_DEFAULTS = SamplerConfig(entropy_threshold=0.05, min_stop_prob=0.0, confide
                               commit_order="confidence", commit_stable_first=True, commit_no_repeat=False,
                               stability_threshold=1, stop_confidence_threshold=0.005, top_p=1.0,
                               entropy_t_max=0.8, entropy_t_min=0.4, self_condition=True, fuse_append=True,
-                              reuse_canvas_keys=False, prefix=())
+                              reuse_canvas_keys=False, shortlist=0, prefix=())
 """The step and stopping rules' own defaults (those of their constructors)."""
 
 
@@ -186,6 +187,8 @@ def build_rules(cfg: SamplerConfig, noise):
         raise DGemmaError(f"early_stopping {cfg.early_stopping!r} is unknown; choose one of {', '.join(STOPPING)}")
     if cfg.num_steps < 1 or cfg.max_canvases < 1:
         raise DGemmaError(f"num_steps and max_canvases must be >= 1, got {cfg.num_steps} and {cfg.max_canvases}")
+    if (cfg.shortlist or 0) < 0:
+        raise DGemmaError(f"shortlist must be >= 0 (0: the whole vocabulary), got {cfg.shortlist}")
     cfg = cfg.resolved()
     step = STEPS[cfg.step_type].from_settings(cfg, noise)
     if cfg.top_p < 1:
@@ -214,7 +217,7 @@ def build_sampler(cfg: SamplerConfig, *, noise, canvas_size: int, stop_ids: tupl
                          min_stop_prob=cfg.min_stop_prob, stop_alias_cos=cfg.stop_alias_cos,
                          logit_bias=dict(cfg.logit_bias or {}), temperature=signal_temperature(cfg),
                          self_condition=cfg.self_condition, fuse_append=cfg.fuse_append,
-                         reuse_canvas_keys=cfg.reuse_canvas_keys, prefix=tuple(cfg.prefix),
+                         reuse_canvas_keys=cfg.reuse_canvas_keys, shortlist=cfg.shortlist, prefix=tuple(cfg.prefix),
                          **engine)
 
 

@@ -621,11 +621,12 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
     ar_rows: dict[int, dict] = {}
 
     def add(name: str, kind: str, run, gen, batch: int, steps: int | None, signal: bool | None = None,
-            reuse: bool | None = None) -> None:
+            reuse: bool | None = None, shortlist: int = 0) -> None:
         st = gen.stats(steps or 0)
         _, metrics = gen.scored(task, run.tokenizer)
         row = {"name": name, "model": "pubmedqa", "kind": kind, "batch": batch, "steps": steps,
-               "self_condition": signal, "reuse_canvas_keys": reuse, "n_questions": len(gen.records),
+               "self_condition": signal, "reuse_canvas_keys": reuse, "shortlist": shortlist,
+               "n_questions": len(gen.records),
                "tokens": st["tokens"],
                "forward_passes": st["forward_passes"],
                "tokens_per_forward": st["tokens_per_forward"], "seconds": st["seconds"],
@@ -644,9 +645,11 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         add(f"pubmedqa ar b{b}", "ar", ar, harness.generate_ar(ar, task, recs, batch_size=b, max_new_tokens=ar_tokens),
             b, None)
 
-    def diffusion_row(b: int, recs: list[dict], steps: int, signal: bool, reuse: bool = False) -> None:
+    def diffusion_row(b: int, recs: list[dict], steps: int, signal: bool, reuse: bool = False,
+                      shortlist: int = 0) -> None:
         name = (f"pubmedqa diffusion S={steps} b{b}" + ("" if signal == default_signal else " no signal")
-                + (" reused keys" if reuse else "") + (" no repeats" if e.commit_no_repeat else ""))
+                + (" reused keys" if reuse else "") + (f" shortlist {shortlist}" if shortlist else "")
+                + (" no repeats" if e.commit_no_repeat else ""))
         base = ar_rows.get(b)  # a diffusion pass over the same questions costs about 4 AR passes at 32 steps
         est = 4.0 * base["seconds"] * steps / 32 if base else 0.0
         if not budget.allows(est):
@@ -658,12 +661,13 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
                                         early_stopping=None)
         sampler.self_condition = warm.self_condition = signal
         sampler.reuse_canvas_keys = warm.reuse_canvas_keys = reuse
+        sampler.shortlist = warm.shortlist = shortlist
         if canvases:
             sampler.max_canvases = warm.max_canvases = canvases
         harness.generate(diff, warm, recs[:b], batch_size=b, seed=e.seed)
         ctx.say(f"decode {name}")
         add(name, "diffusion", diff, harness.generate(diff, sampler, recs, batch_size=b, seed=e.seed), b, steps,
-            signal, reuse)
+            signal, reuse, shortlist)
 
     signals = (True, False) if default_signal else (False,)
     for i, steps in enumerate(step_counts):  # the headline first: batch 1 at the most steps
@@ -673,11 +677,14 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
             for signal in signals:
                 diffusion_row(b, recs, steps, signal)
             diffusion_row(b, recs, steps, False, reuse=True)  # approximate: partial passes (no signal needed)
+            if ctx.pubmedqa_shortlist:  # approximate too: later passes score a shortlist
+                diffusion_row(b, recs, steps, False, reuse=True, shortlist=ctx.pubmedqa_shortlist)
     for b in sorted(ar_rows):
         for r in rows:
             if r["kind"] == "diffusion" and r["batch"] == b and r.get("vs_ar") is not None:
                 signal = "" if r["self_condition"] == default_signal else " without the signal"
                 signal += ", reused canvas keys" if r["reuse_canvas_keys"] else ""
+                signal += f", shortlist {r['shortlist']}" if r["shortlist"] else ""
                 add_ratio(result, f"pubmedqa diffusion S={r['steps']}{signal} vs AR fine-tune b{b}{setting} "
                                   f"(acc {r['accuracy']:.3f} vs {ar_rows[b]['accuracy']:.3f}, "
                                   f"BLEU {r['bleu']:.2f} vs {ar_rows[b]['bleu']:.2f})",

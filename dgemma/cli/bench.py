@@ -50,6 +50,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pubmedqa-no-repeat", action="store_true",
                    help="decode: the adapted PubMedQA diffusion rows commit no token equal to a neighbour's, the "
                         "runner-up instead (eval_ds.commit_no_repeat; default: the run's own)")
+    p.add_argument("--pubmedqa-shortlist", metavar="K", type=int, default=0,
+                   help="decode: the adapted PubMedQA reused-keys rows again with a shortlist of each position's "
+                        "K likeliest tokens (approximate; CanvasSampler.shortlist; default 0: no such rows)")
     p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")
@@ -76,6 +79,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
             raise DGemmaError(f"--pubmedqa-steps takes step counts like 16,10, got {args.pubmedqa_steps!r}") from None
         if min(args.pubmedqa_steps) < 1:
             raise DGemmaError(f"--pubmedqa-steps must be >= 1, got {args.pubmedqa_steps}")
+    if args.pubmedqa_shortlist < 0:
+        raise DGemmaError(f"--pubmedqa-shortlist must be >= 0, got {args.pubmedqa_shortlist}")
     if args.pubmedqa_prefix == "":
         raise DGemmaError("--pubmedqa-prefix is empty: give the text every answer starts with, or leave it out")
     return args
@@ -113,7 +118,8 @@ def run(argv: list[str]) -> int:
                   do_profile=not args.no_profile, sudoku_workdir=args.sudoku_workdir,
                   pubmedqa_workdir=args.pubmedqa_workdir, pubmedqa_steps=args.pubmedqa_steps,
                   pubmedqa_prefix=args.pubmedqa_prefix,
-                  pubmedqa_no_repeat=args.pubmedqa_no_repeat, dtype=args.dtype, compile=args.compile)
+                  pubmedqa_no_repeat=args.pubmedqa_no_repeat, pubmedqa_shortlist=args.pubmedqa_shortlist,
+                  dtype=args.dtype, compile=args.compile)
     if ctx.device.startswith("cuda") and not args.quick and args.suite != "gpu":
         ctx.profile = "gpu"
     torch.manual_seed(0)

@@ -65,6 +65,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="approximate and faster, without the signal: a pass recomputes only the canvas positions "
                         "the step reads and those that changed (docs/concepts/samplers.md); "
                         "--no-reuse-canvas-keys: every pass whole")
+    p.add_argument("--shortlist", metavar="K", type=int, default=None,
+                   help="approximate and faster, without the signal: a canvas's first pass keeps each "
+                        "position's K likeliest tokens, its later passes score only those (0: the whole "
+                        "vocabulary; docs/concepts/samplers.md). Default: the run's interactive setting")
     p.add_argument("--prefix", metavar="TEXT",
                    help="text every answer starts with, pinned at the start of the first canvas (e.g. the shipped "
                         "adapter's \"The answer is:\"); it must end where the answers' tokens do")
@@ -143,7 +147,7 @@ def run(argv: list[str]) -> int:
                                             early_stopping=args.early_stopping, max_canvases=args.canvases,
                                             confidence_threshold=args.threshold,
                                             self_condition=args.self_condition, commit_no_repeat=args.no_repeat,
-                                            reuse_canvas_keys=args.reuse_canvas_keys,
+                                            reuse_canvas_keys=args.reuse_canvas_keys, shortlist=args.shortlist,
                                             prefix=None if args.prefix is None else resolve_prefix(args.prefix,
                                                                                                    model.tokenizer)))
     outputs = model.generate(records, settings, batch_size=args.batch_size, seed=args.seed)

@@ -131,7 +131,7 @@ def build_sampler(run, task, *, num_steps: int, step_type: str, temperature: flo
         "min_stop_prob": sampler.min_stop_prob, "stop_alias_cos": sampler.stop_alias_cos,
         "logit_bias": cfg.eval_ds.logit_bias, "self_condition": sampler.self_condition, "weights": run.weights,
         "lora": run.lora, "fuse_append": sampler.fuse_append, "reuse_canvas_keys": sampler.reuse_canvas_keys,
-        "response_prefix": cfg.eval_ds.response_prefix,
+        "shortlist": sampler.shortlist, "response_prefix": cfg.eval_ds.response_prefix,
     }
     return sampler, settings
 

@@ -178,9 +178,11 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def head_product(h: Tensor, head: nn.Module) -> Tensor:
+def head_product(h: Tensor, head: nn.Module, vocab: Tensor | None = None) -> Tensor:
     """``head(h)`` for rows ``h [N, d]``: ``fast_linear`` for a plain bias-free head; a wrapped
-    head (LoRA) runs its own forward."""
+    head (LoRA) runs its own forward. ``vocab [S]``: only these outputs, ``[N, S]`` (a plain head
+    multiplies their weight rows alone)."""
     if type(head) is nn.Linear and head.bias is None:
-        return fast_linear(h, head.weight)
-    return head(h)
+        return fast_linear(h, head.weight if vocab is None else head.weight[vocab])
+    z = head(h)
+    return z if vocab is None else z[:, vocab]

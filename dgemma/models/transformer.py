@@ -283,15 +283,16 @@ class DiffusionGemma(nn.Module):
             cond = cond + self.time_embedding(t)[:, None, :]
         return torch.where(noisy, cond, x)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Final-normed hidden states ``[.., d]`` -> logits ``[.., V]`` (with soft-capping).
+    def logits(self, hidden: Tensor, *, vocab: Tensor | None = None) -> Tensor:
+        """Final-normed hidden states ``[.., d]`` -> logits ``[.., V]`` (with soft-capping);
+        ``vocab [S]``: these tokens' logits only, ``[.., S]`` (``CanvasSampler.shortlist``).
 
         The head always sees a 2-D ``[N, d]`` matrix: given a 3-D view whose strides are not a
         packed tensor's (``h[:, C:]`` of a longer forward) and frozen bf16 weights (a loaded run),
         PyTorch 2.13's CPU ``linear`` takes a path that costs about 0.8 s a batch row for the 270M,
         against 25 ms for the same product on the flattened rows (``docs/benchmarks.md``). In fp32
         inference on a CPU the product goes through oneDNN (``primitives.py:head_product``)."""
-        z = head_product(hidden.reshape(-1, hidden.shape[-1]), self.lm_head)
+        z = head_product(hidden.reshape(-1, hidden.shape[-1]), self.lm_head, vocab)
         z = z.view(*hidden.shape[:-1], z.shape[-1])
         if (cap := self.config.final_logit_softcapping) is not None:
             z = z.to(torch.promote_types(z.dtype, torch.float32))  # at least fp32, as transformers does

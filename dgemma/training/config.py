@@ -224,6 +224,9 @@ class EvalConfig:
     # approximate, greedy narrow decoding only: a pass recomputes the canvas positions a step reads
     # and those whose token changed, reusing the others' keys (CanvasSampler.reuse_canvas_keys)
     reuse_canvas_keys: bool = False
+    # approximate, greedy narrow decoding only: a canvas's first pass keeps each position's top-K tokens
+    # (and the context's); its later passes score only those (CanvasSampler.shortlist). 0: off
+    shortlist: int = 0
     response_prefix: str | None = None  # text every answer starts with, given to both decoders (pinned / prefilled)
     # what generate, serve, load_model and the lm-eval model decode with unless asked otherwise
     interactive_steps: int | None = None  # steps of generate / serve / load_model / lm-eval (None: steps[0])
@@ -231,6 +234,7 @@ class EvalConfig:
     interactive_self_condition: bool | None = None  # None: self_condition
     interactive_reuse_canvas_keys: bool | None = None  # None: reuse_canvas_keys
     interactive_no_repeat: bool | None = None  # None: commit_no_repeat
+    interactive_shortlist: int | None = None  # None: shortlist
     num_examples: int = 256
     split: str | None = None  # the evaluators' split (None: the task's default, e.g. test)
     seed: int = 0
@@ -245,8 +249,9 @@ class EvalConfig:
         for name in ("entropy_bound", "stop_confidence_threshold"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.stability_threshold < 0:
-            raise ValueError(f"stability_threshold must be >= 0, got {self.stability_threshold}")
+        for name in ("stability_threshold", "shortlist", "interactive_shortlist"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if any(n < 1 for n in self.steps):
             raise ValueError(f"steps must all be >= 1, got {self.steps}")
 

@@ -226,23 +226,29 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     assert "self-conditioning off" in r2["settings"]["pubmedqa"]["sampler"]
     assert any("adapted PubMedQA" in t for t in r["tables"])
     assert r["settings"]["pubmedqa"]["response_prefix"] is None and r["settings"]["pubmedqa"]["steps"] == [2]
-    # --pubmedqa-steps / --pubmedqa-prefix / --pubmedqa-no-repeat: other step counts, the answer template
-    # given to both decoders, and the diffusion rows decoded with the no-repeat rule, each said so
-    assert not r["settings"]["pubmedqa"]["commit_no_repeat"]
+    # --pubmedqa-steps / --pubmedqa-prefix / --pubmedqa-no-repeat / --pubmedqa-shortlist: other step counts,
+    # the answer template given to both decoders, the diffusion rows decoded with the no-repeat rule, and
+    # the reused-keys rows again with a shortlist, each said so
+    assert not r["settings"]["pubmedqa"]["commit_no_repeat"] and not any(x["shortlist"] for x in rows)
     ctx.pubmedqa_steps, ctx.pubmedqa_prefix, ctx.pubmedqa_no_repeat = (3,), "The answer is:", True
+    ctx.pubmedqa_shortlist = 64
     r3 = decode.run(ctx, pubmedqa_runs=(diff_run, ar_run, questions), adapted_only=True)
     assert r3["settings"]["pubmedqa"]["response_prefix"] == "The answer is:"
     assert {x["steps"] for x in r3["rows"] if x["kind"] == "diffusion"} == {3}
     named = [x["name"] for x in r3["ratios"] if x["name"].startswith("pubmedqa")]
     assert named and all(", template pinned, no repeats (acc" in n for n in named)
     assert all(x["name"].endswith(" no repeats") == (x["kind"] == "diffusion") for x in r3["rows"])
+    assert [(x["batch"], x["reuse_canvas_keys"], x["shortlist"]) for x in r3["rows"] if x["kind"] == "diffusion"] \
+        == [(b, k, n) for b in (1, 2) for k, n in ((False, 0), (True, 0), (True, 64))]
+    assert all((" shortlist 64 " in x["name"]) == (x["shortlist"] == 64) for x in r3["rows"])
+    assert sum(", shortlist 64" in n for n in named) == 2
     assert diff_run.cfg.eval_ds.response_prefix == ar_run.cfg.eval_ds.response_prefix == "The answer is:"
     assert r3["settings"]["pubmedqa"]["commit_no_repeat"] and diff_run.cfg.eval_ds.commit_no_repeat
     assert harness.build_sampler(diff_run, task, num_steps=3, step_type="commit", temperature=0.0,
                                  early_stopping=None)[0].step.no_repeat
     assert bench_cli.parse(["decode", "--pubmedqa-no-repeat"]).pubmedqa_no_repeat
     for bad, message in ((["--pubmedqa-steps", "16,x"], "takes step counts"), (["--pubmedqa-steps", "0"], ">= 1"),
-                         (["--pubmedqa-prefix", ""], "is empty")):
+                         (["--pubmedqa-prefix", ""], "is empty"), (["--pubmedqa-shortlist", "-1"], ">= 0")):
         with pytest.raises(DGemmaError, match=message):
             bench_cli.parse(["decode", *bad])
 

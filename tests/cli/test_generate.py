@@ -33,13 +33,15 @@ def test_run_prompts_jsonl_and_seed(tiny_run, tmp_path):
     assert all(x["settings"]["self_condition"] is True for x in rows)  # the run's default
     plain = tmp_path / "plain.jsonl"
     r = cli("--checkpoint", str(tiny_run), "--file", str(prompts), "--out", str(plain), "--steps", "4",
-            "--no-self-condition", "--no-repeat", "--reuse-canvas-keys")
+            "--no-self-condition", "--no-repeat", "--reuse-canvas-keys", "--shortlist", "8")
     assert r.returncode == 0, r.stderr[-2000:]
     assert all(json.loads(x)["settings"]["self_condition"] is False for x in plain.read_text().splitlines())
     assert all(json.loads(x)["settings"]["commit_no_repeat"] is True for x in plain.read_text().splitlines())
     assert all(x["settings"]["commit_no_repeat"] is False for x in rows)  # the run's default
     assert all(json.loads(x)["settings"]["reuse_canvas_keys"] is True for x in plain.read_text().splitlines())
     assert all(x["settings"]["reuse_canvas_keys"] is False for x in rows)
+    assert all(json.loads(x)["settings"]["shortlist"] == 8 for x in plain.read_text().splitlines())
+    assert all(x["settings"]["shortlist"] == 0 for x in rows)
     conf = tmp_path / "conf.jsonl"
     r = cli("--checkpoint", str(tiny_run), "--file", str(prompts), "--out", str(conf), "--steps", "4",
             "--step-type", "confidence", "--threshold", "0.5")
@@ -131,27 +133,29 @@ def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp
         assert r.returncode == 0, r.stderr[-2000:]
         gen = json.loads((tmp_path / "o.jsonl").read_text())["settings"]
         m, ls, se = model.defaults, lm.run_settings, info.cfg.eval_ds
-        flags = {(m.self_condition, m.commit_no_repeat, m.reuse_canvas_keys),
-                 (se.self_condition, serve["no_repeat"], se.reuse_canvas_keys),
-                 (ls.self_condition, ls.commit_no_repeat, ls.reuse_canvas_keys),
-                 (gen["self_condition"], gen["commit_no_repeat"], gen["reuse_canvas_keys"])}
+        flags = {(m.self_condition, m.commit_no_repeat, m.reuse_canvas_keys, m.shortlist),
+                 (se.self_condition, serve["no_repeat"], se.reuse_canvas_keys, se.shortlist),
+                 (ls.self_condition, ls.commit_no_repeat, ls.reuse_canvas_keys, ls.shortlist),
+                 (gen["self_condition"], gen["commit_no_repeat"], gen["reuse_canvas_keys"], gen["shortlist"])}
         return {(m.num_steps, m.early_stopping), (serve["num_steps"], serve["early_stopping"]),
                 (lm.steps, lm.early_stopping or "none"), (gen["num_steps"], gen["early_stopping"]),
                 (interactive_cfg(cfg).eval_ds.steps[0], interactive_cfg(cfg).eval_ds.early_stopping)}, flags
 
-    assert front_ends() == ({(3, "entropy")}, {(True, False, False)})
+    assert front_ends() == ({(3, "entropy")}, {(True, False, False, 0)})
     steps, flags = front_ends(interactive_steps=5, interactive_early_stopping="none", interactive_self_condition=False,
-                              interactive_no_repeat=True, interactive_reuse_canvas_keys=True)
-    assert steps == {(5, "none")} and flags == {(False, True, True)}
+                              interactive_no_repeat=True, interactive_reuse_canvas_keys=True, interactive_shortlist=64)
+    assert steps == {(5, "none")} and flags == {(False, True, True, 64)}
     r = cli("--checkpoint", str(work), PUZZLE, "--out", str(tmp_path / "o.jsonl"), "--self-condition",
-            "--allow-repeats", "--no-reuse-canvas-keys")  # asked: each default turned back off
+            "--allow-repeats", "--no-reuse-canvas-keys", "--shortlist", "0")  # asked: each default turned back off
     assert r.returncode == 0, r.stderr[-2000:]
     gen = json.loads((tmp_path / "o.jsonl").read_text())["settings"]
-    assert (gen["self_condition"], gen["commit_no_repeat"], gen["reuse_canvas_keys"]) == (True, False, False)
+    assert (gen["self_condition"], gen["commit_no_repeat"], gen["reuse_canvas_keys"], gen["shortlist"]) == (
+        True, False, False, 0)
     run = load_run(work)
     evaluated = harness.build_sampler(run, get_task("sudoku").configure(run.cfg), num_steps=3, step_type="commit",
                                       temperature=0.0, early_stopping=None)[0]  # dgemma eval: the run's eval_ds
-    assert (evaluated.self_condition, evaluated.step.no_repeat, evaluated.reuse_canvas_keys) == (True, False, False)
+    assert (evaluated.self_condition, evaluated.step.no_repeat, evaluated.reuse_canvas_keys, evaluated.shortlist) == (
+        True, False, False, 0)
     assert front_ends(interactive_steps=5, interactive_early_stopping=None)[0] == {(5, "entropy")}
     lm = DGemmaLM(run=str(work), device="cpu", early_stopping="none")  # asked: none, over the run's rule
     assert lm.early_stopping is None

@@ -25,7 +25,8 @@ SETTINGS_KEYS = {"seed", "num_steps", "step_type", "step_args", "temperature", "
                  "canvas_size", "max_canvases", "stop_ids", "noise", "schedule", "batch_size", "num_batches",
                  "prompt_len", "device", "dtype", "threads", "pin_clues", "min_stop_prob", "stop_alias_cos", "logit_bias",
                  "self_condition",
-                 "weights", "lora", "compiled", "fuse_append", "reuse_canvas_keys", "response_prefix"}
+                 "weights", "lora", "compiled", "fuse_append", "reuse_canvas_keys", "shortlist",
+                 "response_prefix"}
 STATS_KEYS = {"examples", "tokens", "forward_passes", "tokens_per_forward", "tokens_per_second", "seconds",
               "canvases", "mean_steps_per_canvas", "early_stopped_canvases", "truncated_prompts", "ar_examples",
               "ar_max_new_tokens", "ar_tokens", "ar_forward_passes", "ar_tokens_per_forward",
