@@ -280,7 +280,8 @@ class Context:
     pubmedqa_steps: tuple[int, ...] | None = None  # the adapted PubMedQA rows' steps a canvas (None: the profile's)
     pubmedqa_prefix: str | None = None  # a response prefix for both PubMedQA decoders (None: the run's own)
     pubmedqa_no_repeat: bool = False  # the PubMedQA diffusion rows with eval_ds.commit_no_repeat on
-    pubmedqa_shortlist: int = 0  # > 0: the reused-keys rows again with CanvasSampler.shortlist at this K
+    # > 0: the reused-keys rows again with CanvasSampler.shortlist at this K (None: the run's interactive one)
+    pubmedqa_shortlist: int | None = None
     dtype: str = "auto"  # the decode suite's weights: auto | float32 | bfloat16 (dgemma/device.py:resolve_dtype)
     compile: bool = False  # decode --only step_cost: also time the forwards through torch.compile
     allow_convert: bool = True  # build the 270M cache from the GGUF package when it is missing

@@ -596,6 +596,9 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         diff.cfg.eval_ds = dataclasses.replace(diff.cfg.eval_ds, commit_no_repeat=True)
     e = diff.cfg.eval_ds
     step_counts = ctx.pubmedqa_steps or sz["pubmedqa_steps"]
+    shortlist = ctx.pubmedqa_shortlist  # None: what the run's users decode with
+    if shortlist is None:
+        shortlist = e.shortlist if e.interactive_shortlist is None else e.interactive_shortlist
     setting = ", template pinned" if prefix else ""
     setting += ", no repeats" if e.commit_no_repeat else ""
     questions = questions[:sz["pubmedqa_questions"]]
@@ -616,6 +619,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         "ar": f"greedy, our cache, at most {ar_tokens} tokens, the task's stop tokens",
         "response_prefix": e.response_prefix,  # pinned / prefilled for both decoders (eval_ds.response_prefix)
         "commit_no_repeat": bool(e.commit_no_repeat),  # the diffusion rows' (eval_ds.commit_no_repeat)
+        "shortlist": shortlist,  # the reused-keys rows again with it, when > 0
     }
     rows: list[dict] = []
     ar_rows: dict[int, dict] = {}
@@ -677,8 +681,8 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
             for signal in signals:
                 diffusion_row(b, recs, steps, signal)
             diffusion_row(b, recs, steps, False, reuse=True)  # approximate: partial passes (no signal needed)
-            if ctx.pubmedqa_shortlist:  # approximate too: later passes score a shortlist
-                diffusion_row(b, recs, steps, False, reuse=True, shortlist=ctx.pubmedqa_shortlist)
+            if shortlist:  # approximate too: later passes score a shortlist
+                diffusion_row(b, recs, steps, False, reuse=True, shortlist=shortlist)
     for b in sorted(ar_rows):
         for r in rows:
             if r["kind"] == "diffusion" and r["batch"] == b and r.get("vs_ar") is not None:

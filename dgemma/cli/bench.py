@@ -50,9 +50,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pubmedqa-no-repeat", action="store_true",
                    help="decode: the adapted PubMedQA diffusion rows commit no token equal to a neighbour's, the "
                         "runner-up instead (eval_ds.commit_no_repeat; default: the run's own)")
-    p.add_argument("--pubmedqa-shortlist", metavar="K", type=int, default=0,
+    p.add_argument("--pubmedqa-shortlist", metavar="K", type=int, default=None,
                    help="decode: the adapted PubMedQA reused-keys rows again with a shortlist of each position's "
-                        "K likeliest tokens (approximate; CanvasSampler.shortlist; default 0: no such rows)")
+                        "K likeliest tokens (approximate; CanvasSampler.shortlist; 0: no such rows; default: the "
+                        "run's interactive setting, eval_ds.interactive_shortlist)")
     p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")
@@ -79,7 +80,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
             raise DGemmaError(f"--pubmedqa-steps takes step counts like 16,10, got {args.pubmedqa_steps!r}") from None
         if min(args.pubmedqa_steps) < 1:
             raise DGemmaError(f"--pubmedqa-steps must be >= 1, got {args.pubmedqa_steps}")
-    if args.pubmedqa_shortlist < 0:
+    if args.pubmedqa_shortlist is not None and args.pubmedqa_shortlist < 0:
         raise DGemmaError(f"--pubmedqa-shortlist must be >= 0, got {args.pubmedqa_shortlist}")
     if args.pubmedqa_prefix == "":
         raise DGemmaError("--pubmedqa-prefix is empty: give the text every answer starts with, or leave it out")

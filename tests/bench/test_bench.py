@@ -188,10 +188,16 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     diff_run, ar_run, questions = fixtures.pubmedqa_runs(ctx)[0]
     # a self-conditioned run's rows come again without the signal
     signals = [True, False] if diff_run.cfg.eval_ds.self_condition else [False]
-    # and once more with partial passes (reused canvas keys: without the signal only)
-    assert [(row["kind"], row["batch"], row["self_condition"], row["reuse_canvas_keys"]) for row in rows] == \
-        [(kind, b, s, k) for b in (1, 2) for kind, s, k in
-         [("ar", None, None)] + [("diffusion", s, False) for s in signals] + [("diffusion", False, True)]]
+    # and once more with partial passes (reused canvas keys: without the signal only), and those again
+    # with the LM head on the shortlist the run's users decode with (eval_ds.interactive_shortlist)
+    e = diff_run.cfg.eval_ds
+    sl = e.shortlist if e.interactive_shortlist is None else e.interactive_shortlist
+    assert r["settings"]["pubmedqa"]["shortlist"] == sl
+    assert [(row["kind"], row["batch"], row["self_condition"], row["reuse_canvas_keys"], row["shortlist"])
+            for row in rows] == \
+        [(kind, b, s, k, n) for b in (1, 2) for kind, s, k, n in
+         [("ar", None, None, 0)] + [("diffusion", s, False, 0) for s in signals] + [("diffusion", False, True, 0)]
+         + [("diffusion", False, True, sl)] * bool(sl)]
     assert str(next(diff_run.model.parameters()).dtype) == r["settings"]["pubmedqa"]["dtype"]
     assert (r["settings"]["pubmedqa"]["lora"], r["settings"]["pubmedqa"]["ar_lora"]) == ("merged", "merged")
     for row in rows:
@@ -210,17 +216,18 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     default = signals[0]
     for row in (x for x in rows if x["kind"] == "diffusion"):
         assert (" no signal" in row["name"]) == (row["self_condition"] != default)
-        assert row["name"].endswith(" reused keys") == row["reuse_canvas_keys"]
+        assert (" reused keys" in row["name"]) == row["reuse_canvas_keys"]
     named = [x["name"] for x in r["ratios"] if x["name"].startswith("pubmedqa diffusion")]
     assert sum("without the signal" in n for n in named) == sum(
         x["self_condition"] != default for x in rows if x["kind"] == "diffusion")
-    assert sum("reused canvas keys" in n for n in named) == 2
+    assert sum("reused canvas keys" in n for n in named) == 2 * (1 + bool(sl))
     # a model without the block decodes with no signal: one row a setting, neither called "no signal"
     diff_run.model.self_conditioning = None
     ctx.sudoku_workdir = str(tmp_path / "none")
     r2 = decode.run(ctx, pubmedqa_runs=(diff_run, ar_run, questions), adapted_only=True)
     plain = [x for x in r2["rows"] if x["kind"] == "diffusion"]
-    assert [(x["self_condition"], x["reuse_canvas_keys"]) for x in plain] == [(False, False), (False, True)] * 2
+    assert [(x["self_condition"], x["reuse_canvas_keys"]) for x in plain] == \
+        ([(False, False), (False, True)] + [(False, True)] * bool(sl)) * 2
     assert not any("no signal" in x["name"] for x in plain)
     assert not any("without the signal" in x["name"] for x in r2["ratios"])
     assert "self-conditioning off" in r2["settings"]["pubmedqa"]["sampler"]
@@ -229,7 +236,7 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     # --pubmedqa-steps / --pubmedqa-prefix / --pubmedqa-no-repeat / --pubmedqa-shortlist: other step counts,
     # the answer template given to both decoders, the diffusion rows decoded with the no-repeat rule, and
     # the reused-keys rows again with a shortlist, each said so
-    assert not r["settings"]["pubmedqa"]["commit_no_repeat"] and not any(x["shortlist"] for x in rows)
+    assert not r["settings"]["pubmedqa"]["commit_no_repeat"]
     ctx.pubmedqa_steps, ctx.pubmedqa_prefix, ctx.pubmedqa_no_repeat = (3,), "The answer is:", True
     ctx.pubmedqa_shortlist = 64
     r3 = decode.run(ctx, pubmedqa_runs=(diff_run, ar_run, questions), adapted_only=True)

@@ -161,6 +161,7 @@ def test_a_run_decodes_interactively_with_its_interactive_settings(tiny_run, tmp
     assert lm.early_stopping is None
     shipped_cfg = load_config(str(shipped.PUBMEDQA / "config.json"))
     e = interactive_cfg(shipped_cfg).eval_ds  # measured on all 500 test questions (the card, 2026-12-07)
-    assert (e.steps, e.early_stopping, e.self_condition, e.reuse_canvas_keys, e.commit_no_repeat) == (
-        [16], "none", False, True, True)
+    assert (e.steps, e.early_stopping, e.self_condition, e.reuse_canvas_keys, e.commit_no_repeat, e.shortlist) == (
+        [16], "none", False, True, True, 256)
     assert shipped_cfg.eval_ds.self_condition and not shipped_cfg.eval_ds.commit_no_repeat  # what dgemma eval reports
+    assert shipped_cfg.eval_ds.shortlist == 0
