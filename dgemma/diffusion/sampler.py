@@ -116,7 +116,8 @@ class CanvasSampler:
     reuse_canvas_keys: bool = False
     # approximate: a canvas's first pass runs the LM head on every position and keeps the ``shortlist``
     # likeliest tokens of each (with the context's tokens: canvas_shortlist); its later passes score
-    # only those, the rest of the vocabulary at -inf. 0: the whole vocabulary at every pass
+    # only those, the rest of the vocabulary at -inf. 0: the whole vocabulary at every pass. Ignored
+    # with the self-conditioning signal or a stopping rule (both read the whole softmax)
     shortlist: int = 0
     # response tokens pinned at the start of every row's first canvas (a forced prefix: an answer
     # template's fixed words); :func:`ar_generate`'s ``prefix`` gives the AR baseline the same
@@ -227,7 +228,10 @@ class CanvasSampler:
         # the scratch slots were computed from their current token [R, C] (None: no pass yet)
         windowed = self.reuse_canvas_keys and self.use_cache and narrow
         hid = fresh = None
-        vocab = None  # shortlist: the tokens this canvas's passes score after its first [S]
+        # a shortlist where nothing reads a probability over the whole vocabulary (the signal, a
+        # stopping rule's entropy); a hook's guesses are then the shortlist's argmax
+        short = self.shortlist > 0 and not conditioned and isinstance(self.stop, NoStop)
+        vocab = None  # the tokens this canvas's passes score after its first [S]
         for i in range(self.num_steps):
             t = grid[i].expand(running.numel()).to(dev)
             is_last = i == self.num_steps - 1
@@ -280,7 +284,7 @@ class CanvasSampler:
                 if before is not None:
                     hidden = shift_to_canvas(hidden, before[:, None], c)
                 scores = None
-                if self.shortlist and narrow and vocab is None:  # the canvas's first pass: every position
+                if short and vocab is None:  # the canvas's first pass: every position
                     scores = model.logits(hidden)  # [R, C, V]
                     context = [t for r in rows for t in d.out[r]] + list(self.stop_ids) + list(self.prefix)
                     vocab = canvas_shortlist(scores, self.shortlist, torch.cat(

@@ -7,8 +7,9 @@ tokens with the context's; the canvas's later passes score only those. Exact che
 - a shortlist that holds the whole vocabulary changes nothing, token for token;
 - with a short one, every token a canvas ends with lies in that canvas's shortlist, and the
   later passes' head is as narrow as the shortlist;
-- where the head is not narrowed (the self-conditioning signal reads every probability) the
-  setting does nothing.
+- where something reads a probability over the whole vocabulary (the self-conditioning signal)
+  the setting does nothing; a hook that reads every position's guess (the playground's) gets the
+  shortlist's argmax.
 """
 
 import pytest
@@ -53,14 +54,14 @@ def test_the_head_on_a_shortlist_equals_the_full_head_there(cap):
                                rtol=1e-12, atol=1e-12)
 
 
-def decode(model, shortlist: int, *, self_condition=False, hints=None):
+def decode(model, shortlist: int, *, self_condition=False, hints=None, on_step=None):
     noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
     prompt = torch.randint(2, V, (4, 5), generator=torch.Generator().manual_seed(4))
     valid = torch.ones(4, 5, dtype=torch.bool)
     valid[1, 3:] = False
     s = CanvasSampler(noise=noise, step=CommitStep(noise, temperature=0.0, block=4), num_steps=4, canvas_size=C,
                       max_canvases=3, stop_ids=(7,), self_condition=self_condition, reuse_canvas_keys=True,
-                      shortlist=shortlist)
+                      shortlist=shortlist, on_step=on_step)
     return s(model, prompt, valid, generator=torch.Generator().manual_seed(0), hints=hints)
 
 
@@ -112,3 +113,24 @@ def test_a_negative_shortlist_is_refused():
                         shortlist=-1)
     with pytest.raises(DGemmaError, match="shortlist must be >= 0"):
         build_rules(cfg, AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule()))
+
+
+def test_a_hook_reading_every_guess_gets_the_shortlists_argmax(monkeypatch):
+    """The playground's hook reads the argmax of every open position, so the head is not narrowed
+    to the rows a step reads; it still scores the shortlist alone after a canvas's first pass."""
+    model = tiny(shift_logits=True)
+    lists, guesses = [], []
+    real_list = canvas_shortlist
+
+    def recording_list(scores, k, context):
+        lists.append(real_list(scores, k, context))
+        return lists[-1]
+
+    def hook(*, canvas, argmax, committed, rows, **_):
+        guesses.append((canvas, len(lists), argmax[~committed].tolist()))
+
+    monkeypatch.setattr(sampler_mod, "canvas_shortlist", recording_list)
+    decode(model, 2, on_step=hook)
+    assert len(lists) == 3 and sum(bool(g) for _, _, g in guesses) > 6  # open positions after most steps
+    for canvas, made, guess in guesses:
+        assert made == canvas + 1 and set(guess) <= set(lists[canvas].tolist())
