@@ -73,21 +73,29 @@ def test_a_shortlist_of_the_whole_vocabulary_changes_nothing():
     assert a.tokens == b.tokens and a.forward_passes == b.forward_passes and a.steps_used == b.steps_used
 
 
-def test_a_short_list_bounds_what_each_canvas_can_say(monkeypatch):
-    model = tiny(shift_logits=True)
-    lists, widths = [], []
-    real_list, real_logits = canvas_shortlist, model.logits
+@pytest.fixture
+def lists(monkeypatch) -> list:
+    """Every shortlist the sampler builds, in order (one per canvas)."""
+    made = []
 
-    def recording_list(scores, k, context):
-        lists.append(real_list(scores, k, context))
-        return lists[-1]
+    def recording(scores, k, context):
+        made.append(canvas_shortlist(scores, k, context))
+        return made[-1]
+
+    monkeypatch.setattr(sampler_mod, "canvas_shortlist", recording)
+    return made
+
+
+def test_a_short_list_bounds_what_each_canvas_can_say(lists):
+    model = tiny(shift_logits=True)
+    widths = []
+    real_logits = model.logits
 
     def recording_logits(hidden, *, vocab=None):
         z = real_logits(hidden, vocab=vocab)
         widths.append(z.shape[-1])
         return z
 
-    monkeypatch.setattr(sampler_mod, "canvas_shortlist", recording_list)
     model.logits = recording_logits
     out = decode(model, 2)
     assert len(lists) == 3  # one per canvas: each canvas's first pass
@@ -115,22 +123,15 @@ def test_a_negative_shortlist_is_refused():
         build_rules(cfg, AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule()))
 
 
-def test_a_hook_reading_every_guess_gets_the_shortlists_argmax(monkeypatch):
+def test_a_hook_reading_every_guess_gets_the_shortlists_argmax(lists):
     """The playground's hook reads the argmax of every open position, so the head is not narrowed
     to the rows a step reads; it still scores the shortlist alone after a canvas's first pass."""
-    model = tiny(shift_logits=True)
-    lists, guesses = [], []
-    real_list = canvas_shortlist
+    guesses = []
 
-    def recording_list(scores, k, context):
-        lists.append(real_list(scores, k, context))
-        return lists[-1]
-
-    def hook(*, canvas, argmax, committed, rows, **_):
+    def hook(*, canvas, argmax, committed, **_):
         guesses.append((canvas, len(lists), argmax[~committed].tolist()))
 
-    monkeypatch.setattr(sampler_mod, "canvas_shortlist", recording_list)
-    decode(model, 2, on_step=hook)
+    decode(tiny(shift_logits=True), 2, on_step=hook)
     assert len(lists) == 3 and sum(bool(g) for _, _, g in guesses) > 6  # open positions after most steps
     for canvas, made, guess in guesses:
         assert made == canvas + 1 and set(guess) <= set(lists[canvas].tolist())
