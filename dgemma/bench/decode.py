@@ -50,7 +50,7 @@ from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
 from dgemma.eval import harness  # the run's own sampler, as dgemma eval builds it
-from dgemma.sampling import SamplerConfig, build_sampler, max_canvases, resolve_prefix
+from dgemma.sampling import SamplerConfig, build_sampler, interactive_cfg, max_canvases, resolve_prefix
 from dgemma.tasks import get_task
 from dgemma.tasks.sudoku import generate_eval_puzzles
 
@@ -598,7 +598,7 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
     step_counts = ctx.pubmedqa_steps or sz["pubmedqa_steps"]
     shortlist = ctx.pubmedqa_shortlist  # None: what the run's users decode with
     if shortlist is None:
-        shortlist = e.shortlist if e.interactive_shortlist is None else e.interactive_shortlist
+        shortlist = interactive_cfg(diff.cfg).eval_ds.shortlist
     setting = ", template pinned" if prefix else ""
     setting += ", no repeats" if e.commit_no_repeat else ""
     questions = questions[:sz["pubmedqa_questions"]]

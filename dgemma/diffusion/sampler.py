@@ -291,7 +291,7 @@ class CanvasSampler:
                         [d.prefix_ids.flatten(), torch.tensor(context, dtype=torch.long, device=dev)]))
                 logits = vocab_logits(model, hidden, state.tokens, open_, forbid=self.forbid,
                                       adjust=partial(self.adjust_logits, aliases=d.aliases), keep_probs=conditioned,
-                                      into=kept, scores=scores, vocab=None if scores is not None else vocab)
+                                      into=kept, scores=scores, vocab=vocab)
                 for r in rows:
                     d.fwd[r] += 1
             last = (state.tokens, open_, logits) if reuse else None
@@ -616,19 +616,17 @@ def vocab_logits(model, hidden: Tensor, tokens: Tensor, open_: Tensor | None, *,
     ``keep_probs=False`` tells the shared softmax that no self-conditioning signal will read it.
     ``into`` keeps the tensor between passes and rewrites only the rows that changed; the returned
     logits are then that buffer, valid until the next call. ``scores [B, C, V]``: the head's output
-    at every position, computed already. ``vocab [S]``: the head scores these tokens only, the
-    others read -inf (a shortlist: :func:`canvas_shortlist`).
+    at every position, computed already (``vocab`` is then not read). ``vocab [S]``: the head scores
+    these tokens only, the others read -inf (a shortlist: :func:`canvas_shortlist`).
     """
     whole = open_ is None or bool(open_.all())
-    rows = hidden if whole else hidden[open_]
     if scores is not None:
         z = scores if whole else scores[open_]  # [B, C, V] or [N_open, V]
-    elif vocab is not None:
-        short = model.logits(rows, vocab=vocab)  # [.., S]
-        z = short.new_full((*short.shape[:-1], model.config.vocab_size), float("-inf"))
-        z[..., vocab] = short
     else:
-        z = model.logits(rows)
+        rows = hidden if whole else hidden[open_]
+        z = model.logits(rows, vocab=vocab)  # [.., V], or [.., S] on a shortlist
+        if vocab is not None:
+            z = z.new_full((*z.shape[:-1], model.config.vocab_size), float("-inf")).index_copy_(-1, vocab, z)
     if forbid is not None:
         z[..., forbid] = float("-inf")
     if adjust is not None:

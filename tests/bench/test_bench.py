@@ -16,6 +16,7 @@ from dgemma.bench import common
 from dgemma.cli import bench as bench_cli
 from dgemma.cli.main import main
 from dgemma.errors import DGemmaError
+from dgemma.sampling import interactive_cfg
 
 REPO = Path(__file__).resolve().parents[2]
 SUITES = ("decode", "loss", "attention", "train", "gpu")
@@ -190,8 +191,7 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     signals = [True, False] if diff_run.cfg.eval_ds.self_condition else [False]
     # and once more with partial passes (reused canvas keys: without the signal only), and those again
     # with the LM head on the shortlist the run's users decode with (eval_ds.interactive_shortlist)
-    e = diff_run.cfg.eval_ds
-    sl = e.shortlist if e.interactive_shortlist is None else e.interactive_shortlist
+    sl = interactive_cfg(diff_run.cfg).eval_ds.shortlist
     assert r["settings"]["pubmedqa"]["shortlist"] == sl
     assert [(row["kind"], row["batch"], row["self_condition"], row["reuse_canvas_keys"], row["shortlist"])
             for row in rows] == \
