@@ -115,6 +115,22 @@ class KVCache:
             dst[:, self.cursor : self.cursor + n] = src
         self.cursor += n
 
+    def put_row(self, row: int, src: "KVCache") -> None:
+        """Copy a one-row cache's filled slots into ``row``'s slots ``[0, src.cursor)`` (keys and values
+        only: the metadata comes with :meth:`advance`). A prefill a prompt at a time
+        (``dgemma/diffusion/sampler.py:prefill_prompts``) fills a batch's cache this way."""
+        if src.batch != 1 or not 0 <= row < self.batch or src.cursor > self.max_len or self.cursor:
+            raise ValueError(f"put_row: a one-row cache of at most {self.max_len} slots into row [0, {self.batch}) "
+                             f"of an empty cache (got {src.batch} rows, {src.cursor} slots, row {row}, "
+                             f"cursor {self.cursor})")
+        n = src.cursor
+        for layer, k in src.keys.items():
+            if layer not in self.keys:
+                shape = (self.batch, k.shape[1], self.max_len, k.shape[3])
+                self.keys[layer], self.values[layer] = k.new_zeros(shape), k.new_zeros(shape)
+            self.keys[layer][row, :, :n] = k[0, :, :n]
+            self.values[layer][row, :, :n] = src.values[layer][0, :, :n]
+
     # -- editing --------------------------------------------------------------------------------
     def truncate(self, length: int) -> None:
         """Forget every slot from ``length`` on (slots are overwritten by later appends)."""
