@@ -731,7 +731,6 @@ class ARResult:
                 "tokens_per_second": n_tok / max(self.seconds, 1e-9), "seconds": self.seconds}
 
 
-@torch.no_grad()
 def prefill_prompts(model, prompt_ids: Tensor, prompt_valid: Tensor, cache: KVCache, *,
                     by_row: bool | None = None) -> Tensor:
     """Encode prompts ``[B, P]`` into the empty ``cache`` (slots ``[0, P)``) and return the final
@@ -773,6 +772,7 @@ def prefill_prompts(model, prompt_ids: Tensor, prompt_valid: Tensor, cache: KVCa
     return hidden
 
 
+@torch.no_grad()
 def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_tokens: int,
                 stop_ids: tuple[int, ...] = (), temperature: float = 0.0,
                 generator: torch.Generator | None = None, stop_alias_cos: float | None = None,

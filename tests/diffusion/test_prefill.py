@@ -93,3 +93,20 @@ def test_put_row_refuses_what_does_not_fit():
         KVCache(2, 3).put_row(0, one)  # more slots than the batch cache has
     with pytest.raises(ValueError, match="put_row"):
         KVCache(2, 8).put_row(2, one)  # no such row
+
+
+def test_the_engines_build_no_autograd_graph(monkeypatch):
+    """Called with grad on and trainable weights, both engines still decode without autograd (and so
+    prefill a prompt at a time)."""
+    model, (ids, valid) = tiny("sdpa"), prompts()
+    assert all(p.requires_grad for p in model.parameters())
+    seen = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward",
+                        lambda x, **kw: seen.append((x.shape[1], torch.is_grad_enabled())) or forward(x, **kw))
+    noise = AbsorbingNoise(mask_token_id=1, schedule=LinearSchedule())
+    CanvasSampler(noise=noise, step=CommitStep(noise, temperature=0.0, block=2), canvas_size=4, num_steps=2,
+                  max_canvases=1)(model, ids, valid, generator=torch.Generator().manual_seed(0))
+    ar_generate(model, ids, valid, max_new_tokens=2)
+    assert not any(grad for _, grad in seen)
+    assert [n for n, _ in seen[:4]] == LENGTHS and [n for n, _ in seen[6:10]] == LENGTHS
