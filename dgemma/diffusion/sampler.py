@@ -738,7 +738,7 @@ def prefill_prompts(model, prompt_ids: Tensor, prompt_valid: Tensor, cache: KVCa
 
     ``by_row`` encodes each prompt alone, at its own length, and copies its keys into its row
     (:meth:`KVCache.put_row`); zero states stand at the padding, which no one reads. The default
-    does so on a CPU for a right-padded batch whose prompts differ in length: there the batch's
+    does so on a CPU, without autograd, for a right-padded batch whose prompts differ in length: there the batch's
     one forward computes the padding too and attends through a dense mask over the longest
     prompt, where a prompt alone is plainly causal and PyTorch skips the blocks above the
     diagonal. The first 16 PubMedQA test prompts (260-551 tokens, 6,108 of 8,816 padded slots;
