@@ -69,10 +69,7 @@ class KVCache:
             if start == 0 and n == self.max_len:
                 self.keys[layer], self.values[layer] = k, v  # one-shot fill (training): no copy
                 return k, v
-            if layer not in self.keys:
-                shape = (self.batch, k.shape[1], self.max_len, k.shape[3])
-                self.keys[layer] = k.new_zeros(shape)
-                self.values[layer] = v.new_zeros(shape)
+            self._allocate(layer, k, v)
             self.keys[layer][:, :, start : start + n] = k
             self.values[layer][:, :, start : start + n] = v
             end = start + n
@@ -125,11 +122,16 @@ class KVCache:
                              f"cursor {self.cursor})")
         n = src.cursor
         for layer, k in src.keys.items():
-            if layer not in self.keys:
-                shape = (self.batch, k.shape[1], self.max_len, k.shape[3])
-                self.keys[layer], self.values[layer] = k.new_zeros(shape), k.new_zeros(shape)
+            v = src.values[layer]
+            self._allocate(layer, k, v)
             self.keys[layer][row, :, :n] = k[0, :, :n]
-            self.values[layer][row, :, :n] = src.values[layer][0, :, :n]
+            self.values[layer][row, :, :n] = v[0, :, :n]
+
+    def _allocate(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """The layer's ``[B, H_kv, max_len, D]`` buffers, zeroed, shaped after ``k``/``v``, once."""
+        if layer not in self.keys:
+            shape = (self.batch, k.shape[1], self.max_len, k.shape[3])
+            self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
 
     # -- editing --------------------------------------------------------------------------------
     def truncate(self, length: int) -> None:
