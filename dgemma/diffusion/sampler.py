@@ -752,10 +752,11 @@ def prefill_prompts(model, prompt_ids: Tensor, prompt_valid: Tensor, cache: KVCa
     b, p = prompt_ids.shape
     info = TokenInfo.clean(prompt_valid)
     lengths = prompt_valid.long().sum(-1)
-    if by_row is None:
-        right = bool((prompt_valid.bool() == (torch.arange(p, device=prompt_ids.device) < lengths[:, None])).all())
-        by_row = (prompt_ids.device.type == "cpu" and b > 1 and right and not torch.is_grad_enabled()
-                  and bool((lengths != lengths[0]).any()))
+    if by_row is None:  # the cheap conditions first: a batch-1 or GPU prefill reads no lengths
+        by_row = (prompt_ids.device.type == "cpu" and b > 1 and not torch.is_grad_enabled()
+                  and bool((lengths != lengths[0]).any())
+                  and bool((prompt_valid.bool() == (torch.arange(p, device=prompt_ids.device)
+                                                    < lengths[:, None])).all()))  # right-padded
     if not by_row or not bool(lengths.any()):
         return model(prompt_ids, info=info, cache=cache, return_hidden=True)
     hidden = None
