@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from dgemma.data.sft import encode_prompts, pin_rows, response_end_id
-from dgemma.diffusion.sampler import CanvasSampler, ar_generate
+from dgemma.diffusion.sampler import CanvasSampler, ar_generate, rates
 from dgemma.errors import DGemmaError
 from dgemma.eval.sudoku_verify import evaluate_verified
 from dgemma.eval.visualize import visualize_example
@@ -48,7 +48,8 @@ VERIFIED_EVAL_NAME = re.compile(
     r"^(?:(?P<split>\w+?)_)?verified_steps(?P<steps>\d+)_rounds(?P<rounds>\d+)(?:_variants(?P<variants>\d+))?$")
 AR_MAX_TOKENS = 64
 AR_KEYS = ("ar_examples", "ar_max_new_tokens", "ar_tokens", "ar_forward_passes", "ar_tokens_per_forward",
-           "ar_tokens_per_second", "ar_seconds")  # None when the AR baseline is skipped
+           "ar_tokens_per_second", "ar_seconds", "ar_prefill_seconds",
+           "ar_decode_tokens_per_second")  # None when the AR baseline is skipped
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,7 @@ class Generation:
     forward_passes: list[int]
     steps_used: list[list[int]]
     seconds: float = 0.0
+    prefill_seconds: float = 0.0  # of ``seconds``: the prompts' encoding
     truncated: int = 0
     trajectories: dict[int, list[dict]] = field(default_factory=dict)  # example index -> steps
 
@@ -199,8 +201,8 @@ class Generation:
         n_tok, n_fwd = sum(map(len, self.tokens)), sum(self.forward_passes)
         canvases = [s for row in self.steps_used for s in row]
         return {"examples": len(self.tokens), "tokens": n_tok, "forward_passes": n_fwd,
-                "tokens_per_forward": n_tok / max(n_fwd, 1), "tokens_per_second": n_tok / max(self.seconds, 1e-9),
-                "seconds": self.seconds, "canvases": len(canvases),
+                "tokens_per_forward": n_tok / max(n_fwd, 1), **rates(n_tok, self.seconds, self.prefill_seconds),
+                "canvases": len(canvases),
                 "mean_steps_per_canvas": sum(canvases) / max(len(canvases), 1),
                 "early_stopped_canvases": sum(s < num_steps for s in canvases), "truncated_prompts": self.truncated}
 
@@ -234,6 +236,7 @@ def generate(run, sampler: CanvasSampler, records: list[dict], *, batch_size: in
         out.forward_passes += res.forward_passes
         out.steps_used += res.steps_used
         out.seconds += res.seconds
+        out.prefill_seconds += res.prefill_seconds
         out.truncated += truncated
         for j, traj in enumerate(res.trajectories or []):
             if first + j < record_first:
@@ -260,6 +263,7 @@ def generate_ar(run, task, records: list[dict], *, batch_size: int, max_new_toke
         out.forward_passes += res.forward_passes
         out.steps_used += [[] for _ in batch]
         out.seconds += res.seconds
+        out.prefill_seconds += res.prefill_seconds
         out.truncated += truncated
     return out
 

@@ -205,6 +205,11 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
         assert {"accuracy", "macro_f1", "bleu", "unparsed", "tokens_per_s"} <= set(row)
     ar2, d2 = [row for row in rows if row["batch"] == 2][:2]
     assert d2["vs_ar"] == pytest.approx(d2["tokens_per_s"] / ar2["tokens_per_s"])
+    # the same after the prompts' encoding, which both decoders do alike (the prefill is part of each row's time)
+    for row in (ar2, d2):
+        assert 0 < row["prefill_s"] < row["seconds"]
+        assert row["decode_tokens_per_s"] == pytest.approx(row["tokens"] / (row["seconds"] - row["prefill_s"]))
+    assert d2["decode_vs_ar"] == pytest.approx(d2["decode_tokens_per_s"] / ar2["decode_tokens_per_s"])
     assert d2["steps"] == 2 and d2["forward_passes"] >= 2
     # the AR row's accuracy is the task's score of a greedy decode of the same questions
     from dgemma.eval import harness

@@ -31,6 +31,20 @@ def test_aliases_are_the_near_duplicate_rows_of_each_stop_token():
     assert stop_aliases(e, (), 0.99) == {}
 
 
+def test_aliases_are_kept_per_embedding_until_it_changes():
+    """Two models in one process (an AR fine-tune beside its adapter) each keep their aliases; an
+    embedding edited in place is read again."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(10, 16, generator=g), torch.randn(10, 16, generator=g)
+    a[7], b[8] = 2.0 * a[1], 3.0 * b[1]
+    first_a, first_b = stop_aliases(a, (1,), 0.99), stop_aliases(b, (1,), 0.99)
+    assert first_a[1].tolist() == [7] and first_b[1].tolist() == [8]
+    assert stop_aliases(a, (1,), 0.99) is first_a and stop_aliases(b, (1,), 0.99) is first_b  # neither recomputed
+    assert stop_aliases(a, (1,), 0.5) is not first_a  # other settings: computed for them
+    a[9] = a[1]  # in place: the version moves
+    assert stop_aliases(a, (1,), 0.99)[1].tolist() == [7, 9]
+
+
 def test_folding_sums_the_probabilities_and_never_predicts_an_alias():
     p = torch.tensor([[0.40, 0.10, 0.10, 0.20, 0.20], [0.90, 0.02, 0.04, 0.02, 0.02]])
     out = fold_aliases(p.log(), {1: torch.tensor([3, 4])})

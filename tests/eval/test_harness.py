@@ -28,9 +28,11 @@ SETTINGS_KEYS = {"seed", "num_steps", "step_type", "step_args", "temperature", "
                  "weights", "lora", "compiled", "fuse_append", "reuse_canvas_keys", "shortlist",
                  "response_prefix"}
 STATS_KEYS = {"examples", "tokens", "forward_passes", "tokens_per_forward", "tokens_per_second", "seconds",
+              "prefill_seconds", "decode_tokens_per_second",
               "canvases", "mean_steps_per_canvas", "early_stopped_canvases", "truncated_prompts", "ar_examples",
               "ar_max_new_tokens", "ar_tokens", "ar_forward_passes", "ar_tokens_per_forward",
-              "ar_tokens_per_second", "ar_seconds", "speedup_vs_ar"}
+              "ar_tokens_per_second", "ar_seconds", "ar_prefill_seconds", "ar_decode_tokens_per_second",
+              "speedup_vs_ar"}
 EXAMPLE_KEYS = {"index", "id", "system", "prompt", "output", "reference", "score", "tokens", "forward_passes",
                 "steps_used"}
 
@@ -91,6 +93,10 @@ def test_stats(workdir, tmp_path):
     assert st["tokens_per_forward"] == pytest.approx(st["tokens"] / st["forward_passes"])
     assert st["ar_examples"] == 4 and st["ar_max_new_tokens"] == 8 and st["ar_tokens"] <= 32
     assert st["speedup_vs_ar"] == pytest.approx(st["tokens_per_second"] / st["ar_tokens_per_second"])
+    for p in ("", "ar_"):  # the prompts' encoding is part of the time; the decode rate leaves it out
+        assert 0 < st[f"{p}prefill_seconds"] < st[f"{p}seconds"]
+        assert st[f"{p}decode_tokens_per_second"] == pytest.approx(
+            st[f"{p}tokens"] / (st[f"{p}seconds"] - st[f"{p}prefill_seconds"]))
 
 
 def test_same_seed_same_outputs(workdir, tmp_path):
