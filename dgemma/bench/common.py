@@ -282,6 +282,7 @@ class Context:
     pubmedqa_no_repeat: bool = False  # the PubMedQA diffusion rows with eval_ds.commit_no_repeat on
     # > 0: the reused-keys rows again with CanvasSampler.shortlist at this K (None: the run's interactive one)
     pubmedqa_shortlist: int | None = None
+    pubmedqa_b1: int | None = None  # questions the PubMedQA batch-1 rows decode (None: the profile's)
     dtype: str = "auto"  # the decode suite's weights: auto | float32 | bfloat16 (dgemma/device.py:resolve_dtype)
     compile: bool = False  # decode --only step_cost: also time the forwards through torch.compile
     allow_convert: bool = True  # build the 270M cache from the GGUF package when it is missing

@@ -49,6 +49,7 @@ from dgemma.diffusion.corruption import UniformNoise
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.diffusion.schedules import get_schedule
 from dgemma.diffusion.steps import STEPS
+from dgemma.errors import DGemmaError
 from dgemma.eval import harness  # the run's own sampler, as dgemma eval builds it
 from dgemma.sampling import SamplerConfig, build_sampler, interactive_cfg, max_canvases, resolve_prefix
 from dgemma.tasks import get_task
@@ -603,7 +604,10 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
     setting = ", template pinned" if prefix else ""
     setting += ", no repeats" if e.commit_no_repeat else ""
     questions = questions[:sz["pubmedqa_questions"]]
-    batches = ((1, questions[:sz["pubmedqa_b1"]]), (len(questions), questions))
+    b1 = ctx.pubmedqa_b1 or sz["pubmedqa_b1"]
+    if b1 > len(questions):
+        raise DGemmaError(f"--pubmedqa-b1 {b1}: this profile decodes {len(questions)} of the shipped test questions")
+    batches = ((1, questions[:b1]), (len(questions), questions))
     canvases = sz["pubmedqa_canvases"]  # None: the runs' own (--quick: one canvas)
     ar_tokens = ar.cfg.diffusion.canvas_size * (canvases or max_canvases(ar.cfg))
     # what the run decodes with; a row that differs is named "no signal" (a model without the block has no signal)

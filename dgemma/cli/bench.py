@@ -54,6 +54,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="decode: the adapted PubMedQA reused-keys rows again with a shortlist of each position's "
                         "K likeliest tokens (approximate; CanvasSampler.shortlist; 0: no such rows; default: the "
                         "run's interactive setting, eval_ds.interactive_shortlist)")
+    p.add_argument("--pubmedqa-b1", metavar="N", type=int, default=None,
+                   help="decode: how many of the shipped test questions the adapted PubMedQA batch-1 rows decode, "
+                        "one at a time (default 4; up to the 16 shipped: a batch-1 ratio on 4 moves with their "
+                        "answers' lengths)")
     p.add_argument("--budget", type=float, default=None, help="seconds per suite (default: the suite's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default: the suite's own)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler runs of worse-than-baseline rows")
@@ -80,6 +84,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
             raise DGemmaError(f"--pubmedqa-steps takes step counts like 16,10, got {args.pubmedqa_steps!r}") from None
         if min(args.pubmedqa_steps) < 1:
             raise DGemmaError(f"--pubmedqa-steps must be >= 1, got {args.pubmedqa_steps}")
+    if args.pubmedqa_b1 is not None and args.pubmedqa_b1 < 1:
+        raise DGemmaError(f"--pubmedqa-b1 must be >= 1, got {args.pubmedqa_b1}")
     if args.pubmedqa_shortlist is not None and args.pubmedqa_shortlist < 0:
         raise DGemmaError(f"--pubmedqa-shortlist must be >= 0, got {args.pubmedqa_shortlist}")
     if args.pubmedqa_prefix == "":
@@ -120,6 +126,7 @@ def run(argv: list[str]) -> int:
                   pubmedqa_workdir=args.pubmedqa_workdir, pubmedqa_steps=args.pubmedqa_steps,
                   pubmedqa_prefix=args.pubmedqa_prefix,
                   pubmedqa_no_repeat=args.pubmedqa_no_repeat, pubmedqa_shortlist=args.pubmedqa_shortlist,
+                  pubmedqa_b1=args.pubmedqa_b1,
                   dtype=args.dtype, compile=args.compile)
     if ctx.device.startswith("cuda") and not args.quick and args.suite != "gpu":
         ctx.profile = "gpu"

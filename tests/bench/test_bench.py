@@ -243,8 +243,10 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
     # the reused-keys rows again with a shortlist, each said so
     assert not r["settings"]["pubmedqa"]["commit_no_repeat"]
     ctx.pubmedqa_steps, ctx.pubmedqa_prefix, ctx.pubmedqa_no_repeat = (3,), "The answer is:", True
-    ctx.pubmedqa_shortlist = 64
+    ctx.pubmedqa_shortlist, ctx.pubmedqa_b1 = 64, 2  # --pubmedqa-b1: batch 1 decodes both questions, one at a time
     r3 = decode.run(ctx, pubmedqa_runs=(diff_run, ar_run, questions), adapted_only=True)
+    assert r3["settings"]["pubmedqa"]["batch1_questions"] == 2
+    assert {x["n_questions"] for x in r3["rows"]} == {2}
     assert r3["settings"]["pubmedqa"]["response_prefix"] == "The answer is:"
     assert {x["steps"] for x in r3["rows"] if x["kind"] == "diffusion"} == {3}
     named = [x["name"] for x in r3["ratios"] if x["name"].startswith("pubmedqa")]
@@ -260,9 +262,13 @@ def test_decode_puts_the_adapted_pubmedqa_pair_side_by_side(tmp_path, one_thread
                                  early_stopping=None)[0].step.no_repeat
     assert bench_cli.parse(["decode", "--pubmedqa-no-repeat"]).pubmedqa_no_repeat
     for bad, message in ((["--pubmedqa-steps", "16,x"], "takes step counts"), (["--pubmedqa-steps", "0"], ">= 1"),
-                         (["--pubmedqa-prefix", ""], "is empty"), (["--pubmedqa-shortlist", "-1"], ">= 0")):
+                         (["--pubmedqa-prefix", ""], "is empty"), (["--pubmedqa-shortlist", "-1"], ">= 0"),
+                         (["--pubmedqa-b1", "0"], ">= 1")):
         with pytest.raises(DGemmaError, match=message):
             bench_cli.parse(["decode", *bad])
+    ctx.pubmedqa_b1 = 3  # more than the profile decodes: said, nothing run
+    with pytest.raises(DGemmaError, match="--pubmedqa-b1 3: this profile decodes 2"):
+        decode.run(ctx, pubmedqa_runs=(diff_run, ar_run, questions), adapted_only=True)
 
 
 @pytest.mark.parametrize("compile_", [False, pytest.param(True, marks=pytest.mark.slow)])
