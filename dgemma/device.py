@@ -155,3 +155,10 @@ def resident_gib() -> float | None:
     except (OSError, IndexError, ValueError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the work queued on ``device`` (a GPU runs asynchronously; a CPU or None: nothing to wait
+    for), so that a clock read next measures it."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(torch.device(device))

@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dgemma.device import heap_policy
+from dgemma.device import heap_policy, synchronize
 from dgemma.models import smallm
 
 SCHEMA_VERSION = 1
@@ -82,11 +82,6 @@ def peak_tflops(device_name: str, override: float | None = None) -> float | None
 
 
 # ------------------------------------------------------------------------------------ timing
-def synchronize(device: torch.device | str | None) -> None:
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 @dataclass
 class Measurement:
     median_s: float

@@ -42,9 +42,9 @@ import torch
 
 from dgemma.bench import fixtures
 from dgemma.bench.common import (Budget, Context, add_ratio, finish, format_table, measure, new_result,
-                                 profile_call, ratio, share_of, synchronize)
+                                 profile_call, ratio, share_of)
 from dgemma.data.sft import encode_prompts
-from dgemma.device import resolve_dtype
+from dgemma.device import resolve_dtype, synchronize
 from dgemma.diffusion.corruption import UniformNoise
 from dgemma.diffusion.sampler import CanvasSampler, ar_generate
 from dgemma.diffusion.schedules import get_schedule

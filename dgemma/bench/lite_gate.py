@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from dgemma.bench.common import peak_tflops, synchronize
+from dgemma.bench.common import peak_tflops
+from dgemma.device import synchronize
 from dgemma.diffusion.corruption import build_noise
 from dgemma.diffusion.sampler import ar_generate
 from dgemma.diffusion.schedules import get_schedule

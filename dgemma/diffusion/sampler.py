@@ -43,6 +43,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from dgemma.device import synchronize
 from dgemma.diffusion.corruption import NoiseProcess
 from dgemma.diffusion.schedules import time_grid
 from dgemma.diffusion.shift import before_indices, shift_to_canvas
@@ -160,7 +161,8 @@ class CanvasSampler:
         hints = pin_prefix(hints, self.prefix, prompt_ids.shape[0], self.max_canvases * self.canvas_size,
                            device=prompt_ids.device)
         d = self.prefill(model, prompt_ids, prompt_valid)
-        prefilled = clock(prompt_ids.device) - t0
+        synchronize(prompt_ids.device)  # a GPU runs the prefill asynchronously
+        prefilled = time.perf_counter() - t0
         for k in range(self.max_canvases):
             canvas = self.denoise_canvas(model, d, k, generator=generator, hints=hints)
             if not self.append(model, d, canvas, last=k == self.max_canvases - 1):
@@ -738,13 +740,6 @@ class ARResult:
                 **rates(n_tok, self.seconds, self.prefill_seconds)}
 
 
-def clock(device: torch.device) -> float:
-    """``time.perf_counter()`` once the device's queued work is done (a GPU runs the prefill asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def rates(tokens: int, seconds: float, prefill_seconds: float) -> dict:
     """Tokens/s over the whole call and over what follows the prompts' encoding, which both engines
     do alike (:func:`prefill_prompts`): ``{"tokens_per_second", "decode_tokens_per_second",
@@ -820,7 +815,8 @@ def ar_generate(model, prompt_ids: Tensor, prompt_valid: Tensor, *, max_new_toke
     dev = prompt_ids.device
     cache = KVCache(b, p + max_new_tokens)
     hidden = prefill_prompts(model, prompt_ids, prompt_valid, cache)
-    prefilled = clock(dev) - t0
+    synchronize(dev)
+    prefilled = time.perf_counter() - t0
     last = prompt_valid.long().sum(-1) - 1
     aliases = stop_aliases(model.model.embed_tokens.weight, stop_ids, stop_alias_cos) if stop_alias_cos else {}
     logits = fold_aliases(model.logits(hidden[torch.arange(b, device=dev), last]), aliases)  # [B, V]: one position a row
