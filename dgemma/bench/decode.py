@@ -646,9 +646,10 @@ def _bench_pubmedqa(ctx: Context, result: dict, budget: Budget, sz: dict, runs=N
         if kind == "ar":
             ar_rows[batch] = row
         else:
-            row["vs_ar"] = ratio(row["tokens_per_s"], ar_rows.get(batch, {}).get("tokens_per_s"))
+            base = ar_rows.get(batch, {})
+            row["vs_ar"] = ratio(row["tokens_per_s"], base.get("tokens_per_s"))
             # the same without the prompts' encoding, which both decoders do alike: what the decoder itself adds
-            row["decode_vs_ar"] = ratio(row["decode_tokens_per_s"], ar_rows.get(batch, {}).get("decode_tokens_per_s"))
+            row["decode_vs_ar"] = ratio(row["decode_tokens_per_s"], base.get("decode_tokens_per_s"))
         rows.append(row)
 
     def ar_row(b: int, recs: list[dict]) -> None:

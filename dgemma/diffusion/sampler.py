@@ -264,10 +264,12 @@ class CanvasSampler:
                     span = (canvas_window(fresh, open_, shift=d.before_idx is not None)
                             if windowed and fresh is not None and ctx_cache.cursor else None)
                     if span is not None:  # only the positions that need it, against the canvas's scratch keys
-                        lo, hi = span
-                        hid[:, lo:hi] = model(state.tokens[:, lo:hi], info=noisy[running][:, lo:hi],
-                                              cache=ctx_cache, partial=(lo, noisy[running]), t=t, return_hidden=True)
-                        fresh[:, lo:hi] = True
+                        starts, width = span
+                        at = (torch.arange(running.numel(), device=dev)[:, None],
+                              starts[:, None] + torch.arange(width, device=dev))  # each row's window [R, width]
+                        hid[at] = model(state.tokens[at], info=noisy[running][at], cache=ctx_cache,
+                                        partial=(starts, noisy[running]), t=t, return_hidden=True)
+                        fresh[at] = True
                         hidden = hid
                     else:
                         hidden = model(state.tokens, info=noisy[running],
@@ -685,21 +687,29 @@ def selfcond_signal(logits: Tensor, temperature: float, embed: Tensor, tokens: T
     return out
 
 
-def canvas_window(fresh: Tensor, read: Tensor | None, *, shift: bool) -> tuple[int, int] | None:
-    """The canvas positions ``[lo, hi)`` a partial pass must recompute (``reuse_canvas_keys``), or
-    None for a full pass: every position whose keys are stale (``~fresh [B, C]``: its token changed
-    since its keys were computed) and every hidden state the step reads (``read [B, C]``: the
-    positions the LM head runs on; with ``shift`` the state before each, position 0's being the
-    cached clean state before the canvas), over all rows.
+def canvas_window(fresh: Tensor, read: Tensor | None, *, shift: bool) -> tuple[Tensor, int] | None:
+    """The canvas positions a partial pass must recompute (``reuse_canvas_keys``), each row its own
+    window: ``(starts [B], width)``, row ``b`` recomputing ``[starts[b], starts[b] + width)``; or None
+    for a full pass. A row needs every position whose keys are stale (``~fresh [B, C]``: its token
+    changed since its keys were computed) and every hidden state the step reads (``read [B, C]``:
+    the positions the LM head runs on; with ``shift`` the state before each, position 0's being the
+    cached clean state before the canvas).
+
+    The rows share one forward, so all take the widest row's width; a narrower row's window starts
+    at its first needed position, moved left where it would pass the canvas's end, and a row that
+    needs nothing takes the canvas's last positions. Windows over the rows' union instead computed
+    2.5 times the positions the rows need on the first 16 PubMedQA test questions at batch 16, these
+    1.8 times (bf16, 12 steps; one row's window is the union at batch 1).
 
     A Fast-dLLM-style approximate cache within a canvas: the reused keys of the other positions
-    were computed against tokens that have changed since. Example, ``C = 8``, positions 2-3 just
-    committed (stale), the step reads 4-7, shifted: ``(2, 7)``.
+    were computed against tokens that have changed since. Example, ``C = 8``, row 0's positions
+    2-3 just committed (stale) and the step reading its 4-7, shifted (it needs 2-6); row 1 reading
+    its 5-6 (needs 4-5): width 5, row 1's window moved left to end at the canvas's end.
 
-    >>> fresh = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1]]).bool()
-    >>> read = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]).bool()
+    >>> fresh = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]]).bool()
+    >>> read = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 0]]).bool()
     >>> canvas_window(fresh, read, shift=True)
-    (2, 7)
+    (tensor([2, 3]), 5)
     """
     if read is None:
         return None
@@ -708,10 +718,14 @@ def canvas_window(fresh: Tensor, read: Tensor | None, *, shift: bool) -> tuple[i
         need[:, :-1] |= read[:, 1:]
     else:
         need |= read
-    cols = need.any(0).nonzero().flatten().tolist()
-    if not cols or cols[-1] + 1 - cols[0] == need.shape[1]:
+    c = need.shape[1]
+    cols = torch.arange(c, device=need.device)
+    first = torch.where(need, cols, c).amin(1)  # [B] (C: the row needs nothing)
+    last = torch.where(need, cols, -1).amax(1)
+    width = int((last - first + 1).amax())
+    if width <= 0 or width == c:  # nothing needed, or a whole canvas: a full pass
         return None
-    return cols[0], cols[-1] + 1
+    return first.clamp(max=c - width), width
 
 
 def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:

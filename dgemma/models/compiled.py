@@ -45,7 +45,7 @@ class CompiledModel:
     def __call__(self, input_ids: torch.Tensor, *, info: TokenInfo | None = None, cache=None,
                  write: bool | None = None, append: int = 0, selfcond: torch.Tensor | None = None,
                  t: torch.Tensor | None = None, return_hidden: bool = False,
-                 partial: tuple[int, TokenInfo] | None = None) -> torch.Tensor:
+                 partial: tuple[int | torch.Tensor, TokenInfo] | None = None) -> torch.Tensor:
         model = self.module
         if info is None:  # the model's defaults read the cache on the host: run them eagerly
             return model(input_ids, info=info, cache=cache, write=write, append=append, selfcond=selfcond,

@@ -47,7 +47,7 @@ class KVCache:
         return self.cursor
 
     # -- the per-layer hook used by attention ------------------------------------------------
-    def attend_keys(self, layer: int, k: Tensor, v: Tensor, write: bool, at: int | None = None,
+    def attend_keys(self, layer: int, k: Tensor, v: Tensor, write: bool, at: int | Tensor | None = None,
                     end: int | None = None) -> tuple[Tensor, Tensor]:
         """Return the keys/values a layer attends to: filled slots followed by ``k``/``v``.
 
@@ -59,7 +59,8 @@ class KVCache:
         ``end`` (no ``write``): a partial canvas pass. ``k``/``v`` are slots ``[at, at + L)`` of a
         canvas whose scratch spans ``[cursor, end)``; the other canvas slots keep the keys an
         earlier pass left there, and the layer attends to ``[0, end)``
-        (``DiffusionGemma.forward``'s ``partial``).
+        (``DiffusionGemma.forward``'s ``partial``). There ``at`` may be a ``[B]`` tensor: row ``b``'s
+        slots ``[at[b], at[b] + L)``.
         """
         n = k.shape[2]
         start = self.cursor if at is None else at
@@ -78,12 +79,19 @@ class KVCache:
             raise RuntimeError("empty KVCache: prefill it before decoding")
         keys, values = self.keys[layer], self.values[layer]
         if end is not None:  # a partial canvas pass: overwrite its own slots, read the whole canvas
-            inside = self.cursor <= start and start + n <= end <= self.max_len
+            rowwise = isinstance(start, Tensor)
+            lo, hi = (int(start.min()), int(start.max())) if rowwise else (start, start)
+            inside = self.cursor <= lo and hi + n <= end <= self.max_len
             if not inside or (torch.is_grad_enabled() and k.requires_grad):
-                raise RuntimeError(f"partial canvas pass: slots [{start}, {start + n}) must lie in the scratch "
+                raise RuntimeError(f"partial canvas pass: slots [{lo}, {hi + n}) must lie in the scratch "
                                    f"[{self.cursor}, {end}) <= max_len {self.max_len}, without autograd")
-            keys[:, :, start:start + n] = k
-            values[:, :, start:start + n] = v
+            if rowwise:  # each row its own slots (a copy a row: an indexed write took longer than the pass's products)
+                for r, at in enumerate(start.tolist()):
+                    keys[r, :, at:at + n] = k[r]
+                    values[r, :, at:at + n] = v[r]
+            else:
+                keys[:, :, start:start + n] = k
+                values[:, :, start:start + n] = v
             return keys[:, :, :end], values[:, :, :end]
         if start + n <= self.max_len and not (torch.is_grad_enabled() and (keys.requires_grad or k.requires_grad)):
             # scratch: the free slots after the cursor hold the noisy keys for this forward only

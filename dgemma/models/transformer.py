@@ -139,7 +139,7 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False) if cfg.value_norm else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: MaskSpec, attend,
-                cache: KVCache | None, write: bool, at: int | None = None, end: int | None = None) -> Tensor:
+                cache: KVCache | None, write: bool, at: int | Tensor | None = None, end: int | None = None) -> Tensor:
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
         k_raw = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
@@ -314,7 +314,7 @@ class DiffusionGemma(nn.Module):
         selfcond: Tensor | None = None,
         t: Tensor | None = None,
         return_hidden: bool = False,
-        partial: tuple[int, TokenInfo] | None = None,
+        partial: tuple[int | Tensor, TokenInfo] | None = None,
     ) -> Tensor:
         """``input_ids [B, L]`` -> logits ``[B, L, V]`` (or final hidden ``[B, L, d]``).
 
@@ -329,9 +329,10 @@ class DiffusionGemma(nn.Module):
         the previous prediction), ``t [B]`` the diffusion time, both used on noisy tokens only.
 
         ``partial = (lo, canvas)``: the inputs are positions ``[lo, lo + L)`` of a noisy canvas
-        described by ``canvas [B, C]`` (a cache and no write needed). They attend to the cache and
-        to the whole canvas, whose other positions' keys are those an earlier pass of it left in
-        the cache's scratch slots. Exact when those positions' tokens and every key they depend on
+        described by ``canvas [B, C]`` (a cache and no write needed); ``lo`` is an int, or a ``[B]``
+        tensor where each row has its own window (``info`` then describes each row's). They attend
+        to the cache and to the whole canvas, whose other positions' keys are those an earlier pass
+        of it left in the cache's scratch slots. Exact when those positions' tokens and every key they depend on
         are unchanged since; otherwise an approximation (``CanvasSampler.reuse_canvas_keys``).
         """
         cfg = self.config

@@ -89,14 +89,53 @@ def test_a_partial_pass_is_refused_where_it_cannot_be_one():
             canvas_anchor(tokens[:, :2], info=info[:, :2], cache=cache, partial=(0, info))
 
 
+def window(fresh, read, shift):
+    span = canvas_window(fresh, read, shift=shift)
+    return span if span is None else (span[0].tolist(), span[1])
+
+
 def test_canvas_window_literal_examples():
     fresh = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]]).bool()
     read = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 0]]).bool()
-    assert canvas_window(fresh, read, shift=True) == (2, 7)  # rows together; the state before each read
-    assert canvas_window(fresh, read, shift=False) == (2, 8)
-    assert canvas_window(fresh[1:], read[1:], shift=True) == (4, 6)
-    assert canvas_window(fresh, None, shift=True) is None  # the step reads every open position
-    assert canvas_window(~fresh, read, shift=True) is None  # all stale: a full pass
+    assert window(fresh, read, True) == ([2, 3], 5)  # row 0 needs 2-6; row 1 4-5, moved left to fit
+    assert window(fresh, read, False) == ([2, 2], 6)  # 2-7 and 5-6: row 1 from 5 would pass the end
+    assert window(fresh[1:], read[1:], True) == ([4], 2)  # one row: its own span
+    none = torch.zeros_like(read)
+    assert window(fresh, torch.stack([read[0], none[0]]), True) == ([2, 3], 5)  # row 1 needs nothing: the end
+    assert window(fresh, None, True) is None  # the step reads every open position
+    assert window(~fresh, read, True) is None  # all stale: a full pass
+    assert window(torch.ones_like(fresh), none, True) is None  # nothing needed: a full pass, as before
+
+
+def test_rowwise_partial_pass_equals_each_rows_own():
+    """Per-row windows (a ``[B]`` tensor of starts) give each row what its own partial pass over
+    the same window gives, and, over an unchanged canvas, the full pass's numbers (fp64)."""
+    model = tiny(2)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(2, V, (2, P), generator=g)
+    tokens = torch.randint(2, V, (2, C), generator=g)
+    info = canvas_info(2)
+    starts, width = torch.tensor([1, 4]), 3
+    at = (torch.arange(2)[:, None], starts[:, None] + torch.arange(width))
+    with torch.no_grad():
+        cache = KVCache(2, P + C)
+        model(prompt, cache=cache)
+        full = model(tokens, info=info, cache=cache, return_hidden=True)  # the canvas's keys in the scratch
+        both = model(tokens[at], info=info[at], cache=cache, partial=(starts, info), return_hidden=True)
+        torch.testing.assert_close(both, full[at], rtol=1e-12, atol=1e-12)
+        new = tokens.clone()
+        new[at] = torch.randint(2, V, (2, width), generator=g)  # changed inside each row's window
+        both = model(new[at], info=info[at], cache=cache, partial=(starts, info), return_hidden=True)
+        for r in range(2):
+            one = KVCache(1, P + C)
+            model(prompt[r:r + 1], cache=one)
+            model(tokens[r:r + 1], info=info[r:r + 1], cache=one, return_hidden=True)
+            lo = int(starts[r])
+            alone = model(new[r:r + 1, lo:lo + width], info=info[r:r + 1, lo:lo + width], cache=one,
+                          partial=(lo, info[r:r + 1]), return_hidden=True)
+            torch.testing.assert_close(both[r:r + 1], alone, rtol=1e-12, atol=1e-12)
+        with pytest.raises(RuntimeError, match="scratch"):  # a window past the canvas's end
+            model(new[:, :width], info=info[:, :width], cache=cache, partial=(torch.tensor([0, 6]), info))
 
 
 def decode(model, reuse: bool, *, steps: int, prefix=(), hints=None):
