@@ -332,8 +332,8 @@ class DiffusionGemma(nn.Module):
         described by ``canvas [B, C]`` (a cache and no write needed); ``lo`` is an int, or a ``[B]``
         tensor where each row has its own window (``info`` then describes each row's). They attend
         to the cache and to the whole canvas, whose other positions' keys are those an earlier pass
-        of it left in the cache's scratch slots. Exact when those positions' tokens and every key they depend on
-        are unchanged since; otherwise an approximation (``CanvasSampler.reuse_canvas_keys``).
+        of it left in the cache's scratch slots. Exact when those positions' tokens and every key
+        they depend on are unchanged since; otherwise an approximation (``CanvasSampler.reuse_canvas_keys``).
         """
         cfg = self.config
         b, n = input_ids.shape
@@ -356,6 +356,9 @@ class DiffusionGemma(nn.Module):
                 raise ValueError("a partial canvas pass reads a filled cache and writes nothing")
             if cfg.decoder_window_anchor == "canvas":  # its anchor is the canvas's first position, not the window's
                 raise DGemmaError("a partial canvas pass needs decoder_window_anchor='query'")
+            if isinstance(lo, Tensor) and (lo.shape != (b,) or bool(((lo < 0) | (lo + n > canvas.shape[1])).any())):
+                raise ValueError(f"a partial pass's row windows [lo, lo + {n}) must lie in the canvas's "
+                                 f"{canvas.shape[1]} positions, one start a row ({b}), got {lo.tolist()}")
             k_info, end = cache.key_info(canvas), cache.cursor + canvas.shape[1]
         attend = get_attention(cfg.attn_implementation)
         masks = {

@@ -19,7 +19,7 @@ from dgemma.diffusion.sampler import CanvasSampler, canvas_window
 from dgemma.diffusion.schedules import LinearSchedule
 from dgemma.diffusion.steps import CommitStep
 from dgemma.errors import DGemmaError
-from dgemma.models.kv_cache import KVCache
+from dgemma.models.kv_cache import KVCache, put_rows
 from dgemma.models.masks import TokenInfo
 from dgemma.models.transformer import DiffusionGemma, ModelConfig
 
@@ -134,8 +134,20 @@ def test_rowwise_partial_pass_equals_each_rows_own():
             alone = model(new[r:r + 1, lo:lo + width], info=info[r:r + 1, lo:lo + width], cache=one,
                           partial=(lo, info[r:r + 1]), return_hidden=True)
             torch.testing.assert_close(both[r:r + 1], alone, rtol=1e-12, atol=1e-12)
-        with pytest.raises(RuntimeError, match="scratch"):  # a window past the canvas's end
+        with pytest.raises(ValueError, match="row windows"):  # a window past the canvas's end
             model(new[:, :width], info=info[:, :width], cache=cache, partial=(torch.tensor([0, 6]), info))
+
+
+def test_put_rows_slices_and_indexed_write_agree():
+    """The CPU's slice copy a row and the indexed write used elsewhere write the same slots."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 2, 4, 5, generator=g)
+    at = torch.tensor([0, 3, 6])
+    a, b = torch.zeros(3, 2, 10, 5), torch.zeros(3, 2, 10, 5)
+    put_rows(a, at, x, indexed=False)
+    put_rows(b, at, x, indexed=True)
+    assert torch.equal(a, b)
+    assert torch.equal(a[1, :, 3:7], x[1]) and not a[1, :, :3].any() and not a[1, :, 7:].any()
 
 
 def decode(model, reuse: bool, *, steps: int, prefix=(), hints=None):
