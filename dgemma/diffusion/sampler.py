@@ -267,8 +267,9 @@ class CanvasSampler:
                         starts, width = span
                         at = (torch.arange(running.numel(), device=dev)[:, None],
                               starts[:, None] + torch.arange(width, device=dev))  # each row's window [R, width]
-                        hid[at] = model(state.tokens[at], info=noisy[running][at], cache=ctx_cache,
-                                        partial=(starts, noisy[running]), t=t, return_hidden=True)
+                        rows_info = noisy[running]
+                        hid[at] = model(state.tokens[at], info=rows_info[at], cache=ctx_cache,
+                                        partial=(starts, rows_info), t=t, return_hidden=True)
                         fresh[at] = True
                         hidden = hid
                     else:
